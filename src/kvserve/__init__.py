@@ -1,0 +1,16 @@
+"""kvserve: an LLM inference server whose unit of capacity is the KV cache."""
+
+from kvserve.contract import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch; import it only when asked for, so the pure-Python
+    # core (contract, kv_cache, scheduler, plan, bench) stays light.
+    if name == "LLM":
+        from kvserve.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'kvserve' has no attribute {name!r}")

@@ -1,0 +1,214 @@
+"""The request contract shared by every layer: sampling parameters, the request
+record with its single progress counter, and the ordered status enum.
+
+Pure Python: no torch, no clock (timestamps are stamped by callers from an
+injected clock).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+# Bounds on user-supplied stop strings: each one is checked against the tail
+# of the generated text after every token, so they must stay small.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20
+
+
+class RequestStatus(IntEnum):
+    """Ordered lifecycle: every value >= FINISHED_STOPPED is terminal."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+# OpenAI `finish_reason` for each terminal state ("abort" is vLLM's extension).
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+def finish_reason(status: RequestStatus) -> str | None:
+    """The OpenAI finish_reason of a terminal status, None while unfinished."""
+    return FINISH_REASONS.get(status)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. Validated at construction; a bad value raises
+    ValueError naming the field, so the HTTP layer can answer 400 with it."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-N logprobs per output token
+
+    def __post_init__(self) -> None:
+        # Accept any iterable (lists from JSON, a bare string) and store tuples
+        # so the params stay hashable and immutable.
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self._validate()
+
+    def _validate(self) -> None:
+        _require(_is_int(self.max_tokens) and self.max_tokens >= 1,
+                 "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        _require(_is_number(self.temperature) and self.temperature >= 0,
+                 "temperature", f"must be >= 0, got {self.temperature!r}")
+        _require(_is_number(self.top_p) and 0 < self.top_p <= 1,
+                 "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _require(_is_int(self.top_k) and self.top_k >= 0,
+                 "top_k", f"must be an integer >= 0 (0 disables), got {self.top_k!r}")
+        _require(self.seed is None or _is_int(self.seed),
+                 "seed", f"must be an integer or null, got {self.seed!r}")
+        _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+                 "min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        _require(len(self.stop) <= MAX_STOP_STRINGS,
+                 "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            _require(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS,
+                     "stop", f"each stop string must be 1..{MAX_STOP_STRING_CHARS} characters")
+        _require(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+                 "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
+        _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                 "stop_token_ids", "must be non-negative integers")
+        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+                 "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class InvalidParameter(ValueError):
+    """A request parameter is out of range; `param` names it (OpenAI's `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param} {message}")
+        self.param = param
+
+
+def _require(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidParameter(param, message)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+@dataclass
+class RequestTimestamps:
+    """Raw, named timestamps (seconds on the engine's clock). Latencies are
+    derived from these by `kvserve.latency.derive_latency`, nowhere else."""
+
+    arrival: float
+    queued: float | None = None  # entered the scheduler's waiting queue
+    scheduled: float | None = None  # first scheduled (end of queue time)
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one per output token
+    finished: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request as the engine sees it.
+
+    Progress is one counter: `num_computed_tokens` counts the tokens of
+    `all_token_ids` whose KV is in the cache. A request needs a forward pass
+    over `num_tokens - num_computed_tokens` tokens; when that pass reaches the
+    last token, the model's output there is sampled. Prefill, chunked prefill,
+    decode and recompute after preemption are all this one rule.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_id: int | None = None
+    priority: int = 0  # lower = more urgent
+    tenant: str = "default"
+    deadline: float | None = None  # absolute time on the engine clock
+    # Isolation key for prefix caching: model revision, adapter, tenant key.
+    # Requests share cached KV only when their namespaces are equal.
+    cache_namespace: str = ""
+
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prefix-cache hit at first schedule
+    num_preemptions: int = 0
+    # Chained hashes of the full blocks of all_token_ids, filled lazily by the
+    # KV cache manager; kept across preemption because tokens never change.
+    block_hashes: list[bytes] = field(default_factory=list)
+    timestamps: RequestTimestamps = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise InvalidParameter("prompt", "must contain at least one token")
+        self.timestamps = RequestTimestamps(arrival=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Tokens this request can ever hold in the KV cache."""
+        return len(self.prompt_token_ids) + self.sampling_params.max_tokens
+
+    def token_id(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def token_ids_slice(self, start: int, stop: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n:stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return finish_reason(self.status)

@@ -1,0 +1,95 @@
+"""The one definition of request latencies, shared by the server's metrics,
+the load tester (`bench/`) and the simulator (`sim/`), so the three can be
+compared number for number.
+
+Definitions (all in seconds):
+- TTFT: first token time - start (start = arrival at the server, or the
+  send time at the client).
+- ITL: the gap between consecutive token deliveries. A delivery that carries
+  k tokens contributes k gaps of (gap / k), so a server that batches tokens
+  into chunks is neither rewarded nor punished by the chunking.
+- TPOT: (last token time - first token time) / (output tokens - 1); it
+  excludes the first token, so it measures decode only. None with < 2 tokens.
+- E2E: end - start.
+- Queue time: first scheduled - start, when known.
+
+Pure Python: no engine imports.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+PERCENTILES = (50, 90, 95, 99)
+
+
+class Latency(NamedTuple):
+    ttft_s: float | None
+    tpot_s: float | None
+    itl_s: list[float]
+    e2e_s: float | None
+    queue_s: float | None
+    num_output_tokens: int
+
+
+def derive_latency(
+    start: float,
+    token_events: Sequence[tuple[float, int]],
+    end: float | None,
+    scheduled: float | None = None,
+) -> Latency:
+    """Latencies of one request from raw timestamps.
+
+    token_events: (time, number of tokens delivered at that time), in time
+    order; a server-side record has one event per token.
+    """
+    num_tokens = sum(n for _, n in token_events)
+    if not token_events or num_tokens == 0:
+        return Latency(None, None, [], _minus(end, start), _minus(scheduled, start), 0)
+    first_time = token_events[0][0]
+    last_time = token_events[-1][0]
+    itl: list[float] = []
+    # The first event's extra tokens (beyond the first) arrived with it: zero gap.
+    itl.extend([0.0] * (token_events[0][1] - 1))
+    prev = first_time
+    for time, count in token_events[1:]:
+        if count <= 0:
+            continue
+        itl.extend([(time - prev) / count] * count)
+        prev = time
+    tpot = (last_time - first_time) / (num_tokens - 1) if num_tokens > 1 else None
+    return Latency(
+        ttft_s=first_time - start,
+        tpot_s=tpot,
+        itl_s=itl,
+        e2e_s=_minus(end, start),
+        queue_s=_minus(scheduled, start),
+        num_output_tokens=num_tokens,
+    )
+
+
+def _minus(a: float | None, b: float) -> float | None:
+    return None if a is None else a - b
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default) of sorted values."""
+    if not sorted_values:
+        raise ValueError("percentile of no values")
+    rank = (len(sorted_values) - 1) * q / 100.0
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (rank - lo)
+
+
+def summarize(values: Iterable[float | None]) -> dict[str, float | None]:
+    """mean, p50, p90, p95, p99 (and count) of the non-None values."""
+    data = sorted(v for v in values if v is not None)
+    if not data:
+        return {"count": 0, "mean": None, **{f"p{q}": None for q in PERCENTILES}}
+    out: dict[str, float | None] = {"count": len(data), "mean": sum(data) / len(data)}
+    for q in PERCENTILES:
+        out[f"p{q}"] = percentile(data, q)
+    return out

@@ -121,6 +121,21 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
+@dataclass(frozen=True)
+class ResolvedVersions:
+    """What actually ran, so a trace links to it: model revision (sha256 of
+    the weights file or folder manifest), tokenizer hash, chat-template hash."""
+
+    model_revision: str
+    tokenizer_hash: str
+    chat_template_hash: str
+
+    @property
+    def fingerprint(self) -> str:
+        """Short id for OpenAI's `system_fingerprint`."""
+        return f"fp_{self.model_revision[:8]}_{self.tokenizer_hash[:6]}_{self.chat_template_hash[:6]}"
+
+
 @dataclass
 class RequestTimestamps:
     """Raw, named timestamps (seconds on the engine's clock). Latencies are

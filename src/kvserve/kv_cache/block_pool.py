@@ -1,0 +1,145 @@
+"""Fixed-size KV blocks with reference counts and an LRU of reusable ones.
+
+Every block is in exactly one of three states:
+- in use: ref_count > 0 (held by one or more running requests);
+- cached: ref_count == 0 but holds a full, hashed block, so a later request
+  with the same prefix can take it back (a prefix-cache hit) until it is
+  evicted, least recently freed first;
+- free: ref_count == 0 and no hash.
+
+New blocks come from the free list first and only then by evicting the LRU
+cached block, so cached KV lives as long as memory allows. All operations are
+O(1) per block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_count", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: bytes | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVBlock(id={self.block_id}, ref={self.ref_count}, hash={h})"
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Stack of unhashed free blocks; popped from the end (lowest ids first).
+        self._free: list[KVBlock] = list(reversed(self.blocks))
+        # Cached (ref 0, hashed) blocks in eviction order: first = evicted next.
+        self._evictable: OrderedDict[int, KVBlock] = OrderedDict()
+        # Hash -> the block holding that prefix (in use or cached).
+        self._by_hash: dict[bytes, KVBlock] = {}
+        self.num_evictions = 0
+
+    # -- queries -----------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now: free plus evictable cached."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-but-free ones count as free)."""
+        return self.num_used_blocks / self.num_blocks
+
+    def lookup(self, block_hash: bytes) -> KVBlock | None:
+        """The block holding this prefix hash, in use or cached; no state change."""
+        return self._by_hash.get(block_hash)
+
+    # -- state changes -----------------------------------------------------
+    def take(self, blocks: Iterable[KVBlock]) -> None:
+        """Add a reference to each block (prefix-cache hits); a cached block
+        leaves the evictable LRU."""
+        for block in blocks:
+            if block.ref_count == 0:
+                del self._evictable[block.block_id]
+            block.ref_count += 1
+
+    def allocate(self, num_blocks: int) -> list[KVBlock] | None:
+        """`num_blocks` fresh blocks with ref_count 1, or None (no change) if
+        fewer are available. Evicts LRU cached blocks when the free list runs out."""
+        if num_blocks > self.num_free_blocks:
+            return None
+        out = []
+        for _ in range(num_blocks):
+            block = self._free.pop() if self._free else self._evict_lru()
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def _evict_lru(self) -> KVBlock:
+        _, block = self._evictable.popitem(last=False)
+        del self._by_hash[block.block_hash]
+        block.block_hash = None
+        self.num_evictions += 1
+        return block
+
+    def release(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block, in the given order. Blocks that
+        reach 0 become cached (if hashed) at the most-recent end of the LRU, so
+        pass them in the order they should be evicted (a request's tail first)."""
+        for block in blocks:
+            block.ref_count -= 1
+            if block.ref_count > 0:
+                continue
+            if block.block_hash is not None:
+                self._evictable[block.block_id] = block
+            else:
+                self._free.append(block)
+
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Register an in-use, fully computed block under its prefix hash.
+
+        Returns False when another block already holds that hash (two requests
+        computed the same prefix concurrently); this one then stays unhashed
+        and simply returns to the free list when released."""
+        if not self.enable_caching or block.block_hash is not None:
+            return False
+        if block_hash in self._by_hash:
+            return False
+        block.block_hash = block_hash
+        self._by_hash[block_hash] = block
+        return True
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached (free) block; in-use hashed blocks stay shared."""
+        while self._evictable:
+            self._free.append(self._evict_lru())
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the accounting is inconsistent."""
+        in_use = [b for b in self.blocks if b.ref_count > 0]
+        assert all(b.ref_count >= 0 for b in self.blocks), "negative refcount"
+        assert len(self._free) + len(self._evictable) + len(in_use) == self.num_blocks, (
+            f"free {len(self._free)} + cached {len(self._evictable)} + in use {len(in_use)}"
+            f" != total {self.num_blocks}")
+        assert all(b.ref_count == 0 and b.block_hash is None for b in self._free), "bad free block"
+        assert all(b.ref_count == 0 and b.block_hash is not None for b in self._evictable.values()), \
+            "bad cached block"
+        assert len({b.block_id for b in self._free}) == len(self._free), "duplicate free block"
+        for h, b in self._by_hash.items():
+            assert b.block_hash == h, "hash index out of sync"
+        hashed = sum(1 for b in self.blocks if b.block_hash is not None)
+        assert hashed == len(self._by_hash), "hashed block missing from index"

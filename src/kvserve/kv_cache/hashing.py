@@ -1,0 +1,46 @@
+"""Chained block hashes for prefix caching.
+
+The hash of block i covers the namespace, the hash of block i-1 and the
+block's token ids, so equal hashes mean equal prefixes (not just equal
+blocks). blake2b with a 128-bit digest makes an accidental collision (which
+would silently serve another prefix's KV) astronomically unlikely
+(~2^-64 at 2^32 cached blocks), so hits are not re-checked token by token.
+
+The namespace (model revision, adapter, tenant isolation key) seeds the
+chain: requests in different namespaces never share a block hash, hence
+never share KV.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+DIGEST_BYTES = 16
+
+
+@functools.lru_cache(maxsize=1024)
+def namespace_root(namespace: str) -> bytes:
+    """The parent hash of a sequence's first block in this namespace."""
+    return hashlib.blake2b(namespace.encode(), digest_size=DIGEST_BYTES, person=b"kvserve-ns").digest()
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """Hash of one full block chained to its parent's hash."""
+    h = hashlib.blake2b(parent, digest_size=DIGEST_BYTES)
+    # Fixed-width 32-bit encoding: unambiguous, and one C call per block.
+    h.update(array("I", token_ids).tobytes())
+    return h.digest()
+
+
+def hash_prefix_blocks(token_ids: Sequence[int], block_size: int, namespace: str) -> list[bytes]:
+    """Chained hashes of every full block of `token_ids` (a partial tail block
+    has no hash: only full blocks are ever shared)."""
+    hashes = []
+    parent = namespace_root(namespace)
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start:start + block_size])
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,173 @@
+"""KV cache accounting per request: which blocks a request holds, prefix-cache
+lookups, and allocation for the tokens a step will compute.
+
+The manager answers narrow questions and never decides policy: when there is
+no room, `allocate_slots` returns None and the scheduler chooses whom to
+preempt.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import NamedTuple
+
+from kvserve.config import CacheConfig
+from kvserve.contract import Request
+from kvserve.kv_cache.block_pool import BlockPool, KVBlock
+from kvserve.kv_cache.hashing import hash_block, hash_prefix_blocks, namespace_root
+
+
+class ComputedBlocks(NamedTuple):
+    """A prefix-cache hit: blocks whose KV is already computed for this request."""
+
+    blocks: list[KVBlock]
+    num_tokens: int
+
+
+NO_HIT = ComputedBlocks([], 0)
+
+
+class KVCacheManager:
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.enable_prefix_caching = config.enable_prefix_caching
+        self.pool = BlockPool(config.num_blocks, enable_caching=config.enable_prefix_caching)
+        self._blocks: dict[str, list[KVBlock]] = {}
+        # Block ids mirror `_blocks` so the runner reads a ready list each step.
+        self._block_ids: dict[str, list[int]] = {}
+        # How many of a request's leading blocks are registered in the prefix cache.
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    # -- queries -------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        """Fraction of blocks held by requests, 0..1 (evictable cached blocks are free)."""
+        return self.pool.usage()
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (a live list: do not mutate)."""
+        return self._block_ids.get(request_id, [])
+
+    def num_held_blocks(self, request_id: str) -> int:
+        return len(self._blocks.get(request_id, ()))
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The longest cached prefix of a request that holds no blocks yet.
+
+        Never covers the last token: the model must run on at least one token
+        to produce the logits the next token is sampled from. No state change."""
+        if not self.enable_prefix_caching or request.request_id in self._blocks:
+            return NO_HIT
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in self._request_hashes(request, max_blocks)[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return ComputedBlocks(hits, len(hits) * self.block_size)
+
+    def count_cached_tokens(self, token_ids: list[int], namespace: str) -> int:
+        """Tokens of this prompt the prefix cache would serve now (for admission's
+        projection); no state change, no stats."""
+        if not self.enable_prefix_caching:
+            return 0
+        num = 0
+        for block_hash in hash_prefix_blocks(token_ids[:-1], self.block_size, namespace):
+            if self.pool.lookup(block_hash) is None:
+                break
+            num += self.block_size
+        return num
+
+    # -- state changes -------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed: ComputedBlocks | None = None) -> list[KVBlock] | None:
+        """Make room for `num_new_tokens` more tokens after the request's computed
+        ones (plus the `computed` prefix hit, on a request's first allocation).
+
+        Returns the newly allocated blocks (possibly empty), or None with no
+        state change when the pool cannot supply them."""
+        computed = computed or NO_HIT
+        held = self._blocks.get(request.request_id)
+        num_held = len(held) if held is not None else 0
+        num_tokens_after = request.num_computed_tokens + computed.num_tokens + num_new_tokens
+        num_new_blocks = self.blocks_for_tokens(num_tokens_after) - num_held - len(computed.blocks)
+        # Cached hits leave the free pool when taken.
+        num_cached_hits = sum(1 for b in computed.blocks if b.ref_count == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_cached_hits:
+            return None
+        self.pool.take(computed.blocks)
+        new_blocks = self.pool.allocate(max(num_new_blocks, 0)) or []
+        if held is None:
+            held = self._blocks[request.request_id] = []
+            self._block_ids[request.request_id] = []
+            self._num_cached_blocks[request.request_id] = len(computed.blocks)
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += computed.num_tokens
+        held.extend(computed.blocks)
+        held.extend(new_blocks)
+        self._block_ids[request.request_id].extend(b.block_id for b in (*computed.blocks, *new_blocks))
+        return new_blocks
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's full blocks whose KV is now computed (call after
+        the step that computed them ran), so later requests can hit them."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        num_full = request.num_computed_tokens // self.block_size
+        start = self._num_cached_blocks.get(rid, num_full)
+        if num_full <= start:
+            return
+        held = self._blocks[rid]
+        for i, block_hash in enumerate(self._request_hashes(request, num_full)[start:num_full], start):
+            self.pool.cache_block(held[i], block_hash)
+        self._num_cached_blocks[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request. Its tail blocks become the first
+        to be evicted: a prefix's head is the part most likely shared."""
+        rid = request.request_id
+        blocks = self._blocks.pop(rid, None)
+        self._block_ids.pop(rid, None)
+        self._num_cached_blocks.pop(rid, None)
+        if blocks:
+            self.pool.release(reversed(blocks))
+
+    def _request_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The request's chained block hashes, extended to `num_blocks` (kept on
+        the request: a full block's tokens never change, even across preemption)."""
+        hashes = request.block_hashes
+        if len(hashes) >= num_blocks:
+            return hashes
+        size = self.block_size
+        parent = hashes[-1] if hashes else namespace_root(request.cache_namespace)
+        for i in range(len(hashes), num_blocks):
+            parent = hash_block(parent, request.token_ids_slice(i * size, (i + 1) * size))
+            hashes.append(parent)
+        return hashes
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless pool states add up and every refcount
+        equals the number of requests holding that block."""
+        self.pool.check_integrity()
+        holders = Counter(b.block_id for blocks in self._blocks.values() for b in blocks)
+        for block in self.pool.blocks:
+            assert block.ref_count == holders.get(block.block_id, 0), (
+                f"block {block.block_id}: ref_count {block.ref_count} != holders "
+                f"{holders.get(block.block_id, 0)}")
+        for rid, blocks in self._blocks.items():
+            assert self._block_ids[rid] == [b.block_id for b in blocks], f"{rid}: block ids out of sync"

@@ -100,8 +100,11 @@ class KVCacheManager:
 
         Returns the newly allocated blocks (possibly empty), or None with no
         state change when the pool cannot supply them."""
-        computed = computed or NO_HIT
         held = self._blocks.get(request.request_id)
+        if computed is None and held is not None and \
+                request.num_computed_tokens + num_new_tokens <= len(held) * self.block_size:
+            return []  # fast path: a decode step inside the last block
+        computed = computed or NO_HIT
         num_held = len(held) if held is not None else 0
         num_tokens_after = request.num_computed_tokens + computed.num_tokens + num_new_tokens
         num_new_blocks = self.blocks_for_tokens(num_tokens_after) - num_held - len(computed.blocks)

@@ -4,6 +4,8 @@ tenants within a class, FCFS within a tenant.
 - Lower priority number = more urgent. A waiting request's effective
   priority is `priority - wait_s / aging_s_per_priority`, so a batch request
   that has waited long enough overtakes fresh interactive ones: nothing starves.
+  A class competes with the effective priority of its longest-waiting member,
+  so fair sharing inside a class never lets another class pass it early.
 - Within a class, the next request comes from the tenant that has been served
   the fewest tokens (prompt + max_tokens) while queued in that class: a
   tenant's flood cannot starve another tenant. A tenant that becomes active
@@ -60,6 +62,13 @@ class _PriorityClass:
                 best = (key, candidate)
         return best[1] if best else None
 
+    def oldest_arrival(self) -> float:
+        """Earliest arrival among waiting members (queues are FIFO, so heads suffice)."""
+        heads = [next(iter(q.values())) for q in self.tenants.values()]
+        if self.resumed:
+            heads.append(min(self.resumed.values(), key=lambda r: r.arrival_time))
+        return min(r.arrival_time for r in heads)
+
     def remove(self, request: Request, charge: bool) -> bool:
         rid = request.request_id
         if self.resumed.pop(rid, None) is not None:
@@ -110,14 +119,12 @@ class WaitingQueue:
     def peek(self, now: float) -> Request | None:
         """The request to start next at time `now`; no state change."""
         best_key, best = None, None
-        for cls in self._classes.values():
-            head = cls.head()
-            if head is None:
-                continue
-            key = (self.effective_priority(head, now), head.arrival_time)
+        for priority, cls in self._classes.items():
+            oldest = cls.oldest_arrival()
+            key = (priority - (now - oldest) / self.aging_s_per_priority, oldest)
             if best_key is None or key < best_key:
-                best_key, best = key, head
-        return best
+                best_key, best = key, cls
+        return best.head() if best is not None else None
 
     def pop(self, request: Request) -> None:
         """Remove a request that is starting, charging its tenant's share."""

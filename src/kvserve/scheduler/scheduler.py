@@ -30,9 +30,9 @@ from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.scheduler.policy import WaitingQueue
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
-    """Tokens of one request to run in this step."""
+class ScheduledChunk(NamedTuple):
+    """Tokens of one request to run in this step (a NamedTuple: built for
+    every running request every step, so construction must be cheap)."""
 
     request: Request
     start: int  # position of the first token run (= num_computed_tokens before the step)
@@ -40,16 +40,14 @@ class ScheduledChunk:
     # The request's block table: position p lives in slot
     # block_ids[p // block_size] * block_size + p % block_size. Read-only.
     block_ids: list[int]
+    # The chunk reaches the request's last known token, so the model's output
+    # at its last position is sampled (False mid-prefill). Fixed at schedule
+    # time: update() appends a token and changes the request's length.
+    samples: bool
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
-
-    @property
-    def samples(self) -> bool:
-        """This chunk reaches the request's last known token, so the model's
-        output at its last position is sampled (False mid-prefill)."""
-        return self.end == self.request.num_tokens
 
 
 @dataclass
@@ -156,21 +154,24 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, now: float) -> int:
         budget = self.config.max_num_batched_tokens
         by_urgency = sorted(self.running.values(), key=_urgency)
-        decodes = [r for r in by_urgency if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in by_urgency if r.num_tokens - r.num_computed_tokens > 1]
-        unscheduled = by_urgency  # victims come from its tail
+        decodes, prefills = [], []
+        for request in by_urgency:
+            remaining = request.num_tokens - request.num_computed_tokens
+            (decodes if remaining == 1 else prefills).append((request, remaining))
+        unscheduled = list(by_urgency)  # victims come from its tail
         done: set[str] = set()
-        for request in decodes + prefills:
+        for request, remaining in decodes + prefills:
             if budget == 0:
                 break
             if request.request_id not in self.running:
                 continue  # preempted earlier in this step
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(remaining, budget)
             if not self._allocate_or_preempt(request, num_new, unscheduled, done, out, now):
                 continue
             done.add(request.request_id)
-            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new,
-                                             self.kv_cache.block_ids(request.request_id)))
+            out.chunks.append(ScheduledChunk(
+                request, request.num_computed_tokens, num_new,
+                self.kv_cache.block_ids(request.request_id), num_new == remaining))
             budget -= num_new
         return budget
 
@@ -219,9 +220,13 @@ class Scheduler:
                 break  # head-of-line waits: skipping it for smaller requests would starve it
             self.waiting.pop(request)
             self._start(request, computed.num_tokens, now)
-            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new,
-                                             self.kv_cache.block_ids(request.request_id)))
+            out.chunks.append(self._chunk(request, num_new))
             budget -= num_new
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(request, start, num_new, self.kv_cache.block_ids(request.request_id),
+                              samples=start + num_new == request.num_tokens)
 
     def _start(self, request: Request, num_cached_tokens: int, now: float) -> None:
         request.num_computed_tokens = num_cached_tokens

@@ -11,6 +11,12 @@ from dataclasses import dataclass, field
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
 
+class ModelLoadError(ValueError):
+    """A model file or folder cannot be used; the message says what is wrong
+    and what is supported. Raised by the loader and tokenizer (lives here so
+    both can import it without importing each other)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # one of SUPPORTED_ARCHITECTURES

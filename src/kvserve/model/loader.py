@@ -1,0 +1,170 @@
+"""load_model: one entry point for the embedded default model, a GGUF file or
+a Hugging Face folder. Whatever the source, the result is the same: a
+ModelConfig, float32 weights under HF parameter names in HF orientation, a
+Tokenizer, and the versions that identify what was loaded."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvserve.contract import ResolvedVersions
+from kvserve.model import hf_folder
+from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
+from kvserve.model.default_model import default_model_path, file_sha256
+from kvserve.model.tokenizer import Tokenizer
+
+__all__ = ["LoadedModel", "ModelLoadError", "default_model_path", "expected_weight_shapes", "load_model",
+           "load_tokenizer"]
+
+_SUPPORTED_SOURCES = (
+    "no path (the embedded default model), a *.gguf file, or a Hugging Face folder "
+    f"(config.json + *.safetensors + tokenizer.json); architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    # HF names ("model.layers.0.self_attn.q_proj.weight", ...) -> float32 tensors
+    # in HF orientation ([out_features, in_features]); no "lm_head.weight" when
+    # config.tie_word_embeddings.
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    versions: ResolvedVersions
+    source: str  # the file or folder it was read from
+
+
+def load_model(path: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Read a model into memory (CPU tensors of `dtype`).
+
+    None -> the embedded default model (sha256-verified); a directory -> an HF
+    folder; a *.gguf file -> GGUF. Every failure is a ModelLoadError whose
+    message says what is wrong and what is supported.
+    """
+    source = _resolve(path)
+    loaded = _load_hf_folder(source, dtype) if source.is_dir() else _load_gguf(source, dtype)
+    check_weights(loaded.config, loaded.weights, source)
+    return loaded
+
+
+def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
+    """Only the tokenizer of a model (no weights are read); same sources and
+    errors as load_model."""
+    source = _resolve(path)
+    if source.is_dir():
+        return hf_folder.read_tokenizer(source, hf_folder.read_config(source))
+    model = _open_gguf(source)
+    return _guard(lambda: model.tokenizer(_guard(model.config, source)), source)
+
+
+def _resolve(path: str | os.PathLike | None) -> Path:
+    """The file or HF folder to read. A folder holding one *.gguf and no
+    config.json means that file (e.g. a downloaded GGUF repo)."""
+    source = default_model_path() if path is None else Path(path).expanduser()
+    if not source.exists():
+        raise ModelLoadError(f"model path {str(source)!r} does not exist (kvserve reads local files only, "
+                             f"it never downloads); expected {_SUPPORTED_SOURCES}")
+    if source.is_dir() and not (source / "config.json").exists():
+        ggufs = sorted(source.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        if ggufs:
+            raise ModelLoadError(f"{source} holds several GGUF files; pass one: {[g.name for g in ggufs]}")
+    return source
+
+
+def _open_gguf(path: Path):
+    from kvserve.model.gguf_file import GGUFModel  # gguf is only needed for GGUF files
+
+    if not path.is_file() or not _has_gguf_magic(path):
+        raise ModelLoadError(f"{path} is not a GGUF file (no GGUF magic); expected {_SUPPORTED_SOURCES}")
+    return GGUFModel(path)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
+    model = _open_gguf(path)
+    config = _guard(model.config, path)
+    tokenizer = _guard(lambda: model.tokenizer(config), path)
+    weights = {name: t.to(dtype) for name, t in _guard(lambda: model.weights(config), path).items()}
+    return LoadedModel(config, weights, tokenizer, _versions(file_sha256(path), tokenizer), str(path))
+
+
+def _load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
+    config = hf_folder.read_config(folder)
+    tokenizer = hf_folder.read_tokenizer(folder, config)
+    weights = hf_folder.read_weights(folder, config, dtype)
+    return LoadedModel(config, weights, tokenizer, _versions(_folder_revision(folder), tokenizer), str(folder))
+
+
+def _guard(read, path: Path):
+    """Run a reader over a file that may be truncated or malformed: numpy and
+    gguf raise assorted errors for bad offsets; turn them into ModelLoadError."""
+    try:
+        return read()
+    except ModelLoadError:
+        raise
+    except (ValueError, IndexError, KeyError, TypeError, OSError, RuntimeError) as e:
+        raise ModelLoadError(f"{path}: malformed or truncated model file ({type(e).__name__}: {e})") from e
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _versions(model_revision: str, tokenizer: Tokenizer) -> ResolvedVersions:
+    return ResolvedVersions(model_revision=model_revision, tokenizer_hash=tokenizer.content_hash(),
+                            chat_template_hash=tokenizer.chat_template_hash())
+
+
+def _folder_revision(folder: Path) -> str:
+    """sha256 over (relative name, file sha256) of every file that defines the model."""
+    manifest = hashlib.sha256()
+    for file in hf_folder.manifest_files(folder):
+        manifest.update(f"{file.relative_to(folder)}\0{file_sha256(file)}\n".encode())
+    return manifest.hexdigest()
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter a llama/qwen2 decoder of this config needs, with its shape."""
+    h, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, \
+        config.num_key_value_heads * config.head_dim
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (config.intermediate_size, h),
+            p + "mlp.up_proj.weight": (config.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, config.intermediate_size),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+        })
+        if config.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+    return shapes
+
+
+def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source: Path) -> None:
+    """Raise ModelLoadError unless `weights` holds exactly the expected
+    parameters with the expected shapes (a mismatch would otherwise surface
+    as a shape error deep inside the first forward pass)."""
+    expected = expected_weight_shapes(config)
+    missing = sorted(expected.keys() - weights.keys())
+    extra = sorted(weights.keys() - expected.keys())
+    wrong = [f"{k}: {tuple(weights[k].shape)} != {expected[k]}"
+             for k in sorted(expected.keys() & weights.keys()) if tuple(weights[k].shape) != expected[k]]
+    problems = [f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}" if missing else "",
+                f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}" if extra else "",
+                f"wrong shapes {wrong[:5]}" if wrong else ""]
+    problems = [p for p in problems if p]
+    if problems:
+        raise ModelLoadError(f"{source}: weights do not match a {config.architecture} model with this "
+                             f"config: {'; '.join(problems)}")

@@ -1,0 +1,137 @@
+"""Prompt text of a given token length, for the HTTP client only.
+
+With a tokenizer (a local tokenizer.json, or a GGUF file read through
+Hugging Face transformers) the text is cut at token level and re-checked
+until it encodes to exactly the target count (without special tokens; a chat
+template adds its own). Without one, the approximation is one common English
+word per token: each word below, with its leading space, is a single token in
+the GPT-2, Llama and SmolLM BPE vocabularies, so the count is right to within
+the tokenizer's first-word and template effects (a few tokens).
+
+Words are drawn at random per request, so unrelated prompts share no prefix
+beyond chance; requests of one prefix group start with the same text.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Protocol
+
+from kvserve.bench.workload import RequestSpec
+
+_COMMON_WORDS = """
+the of and to in is that for it as was with be by on not he this are or his from at
+which but have an they you were her she there one all we can has been if more when
+will would who so no time people year new work day way world life part number water
+house city school state family group system program question night point home room
+market money story fact month right study book word business issue side kind head
+service friend power hour game line end member law car name result change team
+minute idea body information back parent face level office door health person art
+war history party morning reason research girl moment air teacher force education
+"""
+WORDS = tuple(f" {w}" for w in dict.fromkeys(_COMMON_WORDS.split()))
+MAX_FIT_ROUNDS = 8
+
+
+class TextTokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class _HFTokenizers:
+    """A `tokenizers.Tokenizer` (tokenizer.json) without special tokens."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+class _Transformers:
+    """A transformers tokenizer (used for GGUF files) without special tokens."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as exc:
+            raise RuntimeError("reading a GGUF tokenizer needs `transformers`; "
+                               "pass a tokenizer.json instead") from exc
+        self._tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def load_tokenizer(path: str | Path) -> TextTokenizer:
+    """A tokenizer from a local tokenizer.json or .gguf file (never downloads)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer file not found: {path}")
+    return _Transformers(path) if path.suffix == ".gguf" else _HFTokenizers(path)
+
+
+class PromptBuilder:
+    """Builds the text of each request; identical prefixes per prefix group."""
+
+    def __init__(self, tokenizer: TextTokenizer | None = None, seed: int = 0) -> None:
+        self._tok = tokenizer
+        self._seed = seed
+        self._prefixes: dict[int, str] = {}
+
+    @property
+    def exact(self) -> bool:
+        return self._tok is not None
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of `text`: exact with a tokenizer, else the word count."""
+        return len(self._tok.encode(text)) if self._tok else len(text.split())
+
+    def build(self, spec: RequestSpec) -> str:
+        rng = random.Random(f"{self._seed}:prompt:{spec.index}")
+        prefix = ""
+        if spec.prefix_group is not None:
+            prefix = self._prefix(spec.prefix_group.group_id, spec.prefix_group.prefix_tokens)
+        return self._fit(prefix, spec.prompt_tokens, rng)
+
+    def _prefix(self, group_id: int, num_tokens: int) -> str:
+        if group_id not in self._prefixes:
+            rng = random.Random(f"{self._seed}:prefix:{group_id}")
+            self._prefixes[group_id] = self._fit("", num_tokens, rng)
+        return self._prefixes[group_id]
+
+    def _fit(self, prefix: str, target: int, rng: random.Random) -> str:
+        """`prefix` + random words, `target` tokens in all."""
+        have = self.count_tokens(prefix) if prefix else 0
+        words = "".join(rng.choice(WORDS) for _ in range(max(1, target - have)))
+        if self._tok is None:
+            return (prefix + words).strip()
+        return self._fit_tokens(prefix, words, target)
+
+    def _fit_tokens(self, prefix: str, words: str, target: int) -> str:
+        """Cut the words at token level until prefix + words encodes to
+        `target` tokens; merges across the cut can shift the count by a
+        token or two, so re-check and re-cut a few rounds, keeping the best.
+        The text is not stripped: trimming a space would change the count."""
+        ids = self._tok.encode(words)
+        keep = max(1, target - (self.count_tokens(prefix) if prefix else 0))
+        best, best_miss = prefix, None
+        for _ in range(MAX_FIT_ROUNDS):
+            keep = max(1, min(keep, len(ids)))
+            text = prefix + self._tok.decode(ids[:keep])
+            diff = target - self.count_tokens(text)
+            if best_miss is None or abs(diff) < best_miss:
+                best, best_miss = text, abs(diff)
+            if diff == 0 or (diff > 0 and keep == len(ids)):
+                break
+            keep += diff
+        return best

@@ -1,0 +1,378 @@
+"""From raw per-request records to the promise: latencies, outcomes, goodput.
+
+Both `kvserve bench` (real HTTP) and `kvserve simulate` (virtual clock) produce
+`RequestRecord`s and call `build_report`, so their report.json files share one
+schema (docs/bench.md). Latencies come from `kvserve.latency`, the definition
+the server's metrics use too.
+
+Definitions used here:
+- A request's clock starts when the client first sent it (`sent_s`), so the
+  wait behind a 429 and its retries counts: that is what the user felt.
+- Latency percentiles are over successful requests; ITL pools every gap of
+  every successful request.
+- good request: success, TTFT <= slo.ttft_s and TPOT <= slo.tpot_s (a
+  one-token answer has no TPOT and passes it), and E2E <= slo.e2e_s if set.
+- goodput: good requests per second of run. slo_attainment: good requests /
+  requests the client did not cancel itself.
+- slo.passed: the `slo.percentile`-th percentile TTFT and TPOT are inside the
+  targets AND at least that share of non-cancelled requests succeeded (a
+  server cannot pass by rejecting the hard cases).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvserve.latency import PERCENTILES, derive_latency, percentile, summarize
+
+OUTCOMES = ("success", "cancelled", "rejected", "timed_out", "error")
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """Raw timestamps of one request, seconds from run start.
+
+    token_events: (time, tokens delivered) per streamed chunk, in time order.
+    sent_s is the first attempt's send; last_sent_s the final attempt's.
+    queue_s: server-side queue time when the producer knows it (simulator).
+    """
+
+    index: int
+    outcome: str
+    scheduled_s: float | None
+    sent_s: float | None
+    headers_s: float | None = None
+    token_events: tuple[tuple[float, int], ...] = ()
+    end_s: float | None = None
+    status_code: int | None = None
+    reject_reason: str | None = None
+    tenant: str = "default"
+    priority: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    expected_output_tokens: int = 0
+    retries: int = 0
+    last_sent_s: float | None = None
+    queue_s: float | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"outcome must be one of {OUTCOMES}, got {self.outcome!r}")
+
+
+@dataclass(frozen=True)
+class SLO:
+    """A latency promise judged at a percentile (seconds)."""
+
+    ttft_s: float
+    tpot_s: float
+    percentile: float = 99.0
+    e2e_s: float | None = None
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if self.ttft_s <= 0 or self.tpot_s <= 0 or (self.e2e_s is not None and self.e2e_s <= 0):
+            raise ValueError("SLO targets must be > 0 seconds")
+        if not 0 < self.percentile <= 100:
+            raise ValueError(f"SLO percentile must be in (0, 100], got {self.percentile}")
+
+
+SLO_PRESETS = {
+    "mlperf-server": SLO(2.0, 0.1, 99.0, name="mlperf-server"),
+    "mlperf-interactive": SLO(0.5, 0.03, 99.0, name="mlperf-interactive"),
+}
+
+
+def parse_slo(text: str) -> SLO:
+    """A preset name or 'ttft=2,tpot=0.1[,e2e=30][,p=99]' (seconds)."""
+    if text in SLO_PRESETS:
+        return SLO_PRESETS[text]
+    from kvserve.bench.workload import parse_kv
+
+    usage = f"bad SLO {text!r}: use {sorted(SLO_PRESETS)} or 'ttft=S,tpot=S[,e2e=S][,p=99]'"
+    try:
+        values = parse_kv(text)
+    except ValueError:
+        raise ValueError(usage) from None
+    if set(values) - {"ttft", "tpot", "e2e", "p"} or not {"ttft", "tpot"} <= set(values):
+        raise ValueError(usage)
+    return SLO(values["ttft"], values["tpot"], values.get("p", 99.0), values.get("e2e"))
+
+
+@dataclass(frozen=True)
+class MetricsSample:
+    """One scrape of the server's /metrics, `t_s` from run start.
+
+    gauges: summed over label sets (kv_cache_usage_perc, num_requests_running,
+    num_requests_waiting, num_preemptions). queue_buckets: cumulative
+    (upper bound s, count) of vllm:request_queue_time_seconds. counters: every
+    vllm:/kvserve: counter sample, keyed 'name{labels}'.
+    """
+
+    t_s: float
+    gauges: dict[str, float] = field(default_factory=dict)
+    queue_buckets: tuple[tuple[float, float], ...] = ()
+    queue_sum_s: float | None = None
+    queue_count: float | None = None
+    counters: dict[str, float] = field(default_factory=dict)
+
+
+# --- per-request derivation --------------------------------------------------
+
+def _latency(record: RequestRecord):
+    if record.sent_s is None:
+        return None
+    return derive_latency(record.sent_s, record.token_events, record.end_s, None)
+
+
+def _is_good(record: RequestRecord, latency, slo: SLO | None) -> bool:
+    if record.outcome != "success" or latency is None or slo is None:
+        return False
+    return (latency.ttft_s is not None and latency.ttft_s <= slo.ttft_s
+            and (latency.tpot_s is None or latency.tpot_s <= slo.tpot_s)
+            and (slo.e2e_s is None or (latency.e2e_s or 0.0) <= slo.e2e_s))
+
+
+def summarize_records(records: Sequence[RequestRecord], duration_s: float,
+                      slo: SLO | None, price_per_hour: float | None = None) -> dict:
+    """The summary block for a set of records (a whole run or one class)."""
+    latencies = [_latency(r) for r in records]
+    ok = [(r, lat) for r, lat in zip(records, latencies) if r.outcome == "success" and lat]
+    outcomes = {name: sum(r.outcome == name for r in records) for name in OUTCOMES}
+    reasons: dict[str, int] = {}
+    for r in records:
+        if r.outcome == "rejected":
+            key = r.reject_reason or f"http_{r.status_code}"
+            reasons[key] = reasons.get(key, 0) + 1
+    num_good = sum(_is_good(r, lat, slo) for r, lat in zip(records, latencies))
+    judged = len(records) - outcomes["cancelled"]
+    output_tokens = sum(r.output_tokens for r, _ in ok)
+    duration_s = max(duration_s, 1e-9)
+    summary = {
+        "num_requests": len(records),
+        "duration_s": duration_s,
+        "ttft": summarize(lat.ttft_s for _, lat in ok),
+        "tpot": summarize(lat.tpot_s for _, lat in ok),
+        "itl": summarize(g for _, lat in ok for g in lat.itl_s),
+        "e2e": summarize(lat.e2e_s for _, lat in ok),
+        "queue_time": summarize(r.queue_s for r in records),
+        "output_length": summarize(r.output_tokens for r, _ in ok),
+        "prompt_length": summarize(r.prompt_tokens for r in records),
+        "outcomes": {**outcomes, "rejected_reasons": reasons},
+        "retries": sum(r.retries for r in records),
+        "request_throughput": outcomes["success"] / duration_s,
+        "output_token_throughput": output_tokens / duration_s,
+        "input_token_throughput": sum(r.prompt_tokens for r, _ in ok) / duration_s,
+        "goodput": num_good / duration_s if slo else None,
+        "num_good": num_good if slo else None,
+        "slo_attainment": (num_good / judged if judged else None) if slo else None,
+    }
+    summary["slo_passed"] = _slo_passed(ok, outcomes, judged, slo)
+    summary.update(_cost(price_per_hour, duration_s, outcomes["success"], num_good, output_tokens))
+    return summary
+
+
+def _slo_passed(ok: list, outcomes: dict, judged: int, slo: SLO | None) -> bool | None:
+    if slo is None or judged == 0:
+        return None
+    if not ok or outcomes["success"] / judged < slo.percentile / 100.0:
+        return False
+    checks = [("ttft_s", slo.ttft_s), ("tpot_s", slo.tpot_s), ("e2e_s", slo.e2e_s)]
+    for attr, target in checks:
+        data = sorted(v for _, lat in ok if (v := getattr(lat, attr)) is not None)
+        if target is not None and data and percentile(data, slo.percentile) > target:
+            return False
+    return True
+
+
+def _cost(price_per_hour: float | None, duration_s: float, num_success: int, num_good: int,
+          output_tokens: int) -> dict:
+    if price_per_hour is None:
+        return {"cost_total": None, "cost_per_successful_request": None,
+                "cost_per_good_request": None, "cost_per_million_output_tokens": None}
+    total = price_per_hour * duration_s / 3600.0
+    return {
+        "cost_total": total,
+        "cost_per_successful_request": total / num_success if num_success else None,
+        "cost_per_good_request": total / num_good if num_good else None,
+        "cost_per_million_output_tokens": total / output_tokens * 1e6 if output_tokens else None,
+    }
+
+
+# --- server metrics ----------------------------------------------------------
+
+SERIES_GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting",
+                 "num_preemptions")
+
+
+def histogram_quantile(buckets: Sequence[tuple[float, float]], q: float) -> float | None:
+    """Approximate q-quantile (0..1) from cumulative (upper bound, count) buckets.
+
+    Like Prometheus' histogram_quantile: linear inside the bucket holding the
+    rank, lower edge 0 for the first bucket; a rank in the +Inf bucket returns
+    the highest finite bound. Accuracy is one bucket width.
+    """
+    buckets = sorted(buckets)
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower_bound
+            width = count - lower_count
+            frac = (rank - lower_count) / width if width > 0 else 1.0
+            return lower_bound + (bound - lower_bound) * frac
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+def queue_time_from_server(samples: Sequence[MetricsSample]) -> dict | None:
+    """Queue-time stats of this run from the server's histogram (last - first
+    scrape, so requests from before the run are excluded); None if absent."""
+    with_hist = [s for s in samples if s.queue_count is not None and s.queue_buckets]
+    if len(with_hist) < 1:
+        return None
+    first, last = with_hist[0], with_hist[-1]
+    if len(with_hist) == 1:
+        first = MetricsSample(0.0, queue_buckets=tuple((b, 0.0) for b, _ in last.queue_buckets),
+                              queue_sum_s=0.0, queue_count=0.0)
+    count = last.queue_count - first.queue_count
+    if count <= 0:
+        return None
+    before = dict(first.queue_buckets)
+    delta = [(bound, n - before.get(bound, 0.0)) for bound, n in last.queue_buckets]
+    mean = (last.queue_sum_s - first.queue_sum_s) / count
+    out = {"count": int(count), "mean": mean}
+    for q in PERCENTILES:
+        # Queue times are >= 0, so by Markov's inequality the q-quantile is at
+        # most mean / (1 - q): this tightens coarse buckets (all-zero waits
+        # read 0, not half the first bucket).
+        out[f"p{q}"] = min(histogram_quantile(delta, q / 100.0), max(mean, 0.0) / (1 - q / 100.0))
+    return out
+
+
+def server_metrics_block(samples: Sequence[MetricsSample]) -> dict:
+    """Time series of the server's gauges and the run's counter deltas."""
+    series = {name: [[s.t_s, s.gauges[name]] for s in samples if name in s.gauges]
+              for name in SERIES_GAUGES}
+    counters: dict[str, float] = {}
+    if samples:
+        first, last = samples[0].counters, samples[-1].counters
+        counters = {k: v - first.get(k, 0.0) for k, v in last.items()}
+    return {
+        "num_samples": len(samples),
+        "series": {k: v for k, v in series.items() if v},
+        "queue_time": queue_time_from_server(samples),
+        "counters_delta": counters,
+    }
+
+
+# --- the report --------------------------------------------------------------
+
+def run_duration_s(records: Sequence[RequestRecord]) -> float:
+    """From run start (0) to the last request's end."""
+    ends = [r.end_s for r in records if r.end_s is not None]
+    return max(ends) if ends else 0.0
+
+
+def build_report(records: Sequence[RequestRecord], slo: SLO | None = None,
+                 duration_s: float | None = None, price_per_hour: float | None = None,
+                 metrics_samples: Sequence[MetricsSample] = (), config: dict | None = None,
+                 client_stats: dict | None = None) -> dict:
+    """The report.json dict (schema: docs/bench.md)."""
+    duration_s = run_duration_s(records) if duration_s is None else duration_s
+    summary = summarize_records(records, duration_s, slo, price_per_hour)
+    server = server_metrics_block(metrics_samples)
+    summary["queue_time"]["source"] = "records" if summary["queue_time"]["count"] else None
+    if not summary["queue_time"]["count"] and server["queue_time"]:
+        summary["queue_time"] = {**server["queue_time"], "source": "server_histogram"}
+    return {
+        "schema_version": 1,
+        "config": config or {},
+        "slo": asdict(slo) if slo else None,
+        "summary": summary,
+        "by_tenant": _by(records, lambda r: r.tenant, duration_s, slo, price_per_hour),
+        "by_priority": _by(records, lambda r: str(r.priority), duration_s, slo, price_per_hour),
+        "server_metrics": server,
+        "client": client_stats or {},
+        "requests": [_record_dict(r) for r in records],
+    }
+
+
+def _by(records, key, duration_s, slo, price_per_hour) -> dict:
+    groups: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        groups.setdefault(key(r), []).append(r)
+    # Cost is not split per class: the hardware is shared.
+    return {k: summarize_records(v, duration_s, slo, None) for k, v in sorted(groups.items())}
+
+
+def _record_dict(record: RequestRecord) -> dict:
+    out = asdict(record)
+    out["token_events"] = [list(e) for e in record.token_events]
+    lat = _latency(record)
+    out["ttft_s"] = lat.ttft_s if lat else None
+    out["tpot_s"] = lat.tpot_s if lat else None
+    out["e2e_s"] = lat.e2e_s if lat else None
+    return out
+
+
+def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
+    """Write report.json and report.html under out_dir; returns their paths."""
+    from kvserve.bench.plots import render_html
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "report.json", "html": out / "report.html"}
+    paths["json"].write_text(json.dumps(report, indent=1, allow_nan=False))
+    paths["html"].write_text(render_html(report))
+    return paths
+
+
+# --- console -----------------------------------------------------------------
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
+
+
+def format_table(report: dict) -> str:
+    """A plain-text summary for the console."""
+    s = report["summary"]
+    lines = [f"{'metric (ms)':<14}{'mean':>10}{'p50':>10}{'p90':>10}{'p95':>10}{'p99':>10}"]
+    for name in ("ttft", "tpot", "itl", "e2e", "queue_time"):
+        row = s[name]
+        lines.append(f"{name:<14}" + "".join(f"{_ms(row[k]):>10}" for k in
+                                               ("mean", "p50", "p90", "p95", "p99")))
+    o = s["outcomes"]
+    lines.append("outcomes: " + ", ".join(f"{k}={o[k]}" for k in OUTCOMES)
+                 + (f"  rejected by reason: {o['rejected_reasons']}" if o["rejected_reasons"] else ""))
+    lines.append(f"throughput: {s['request_throughput']:.2f} req/s, "
+                 f"{s['output_token_throughput']:.1f} output tok/s over {s['duration_s']:.1f} s")
+    if report.get("slo"):
+        slo = report["slo"]
+        lines.append(f"SLO {slo['name']} (TTFT<={slo['ttft_s']}s, TPOT<={slo['tpot_s']}s at "
+                     f"p{slo['percentile']:g}): goodput {s['goodput']:.2f} req/s, attainment "
+                     f"{_pct(s['slo_attainment'])}, passed={s['slo_passed']}")
+    if s.get("cost_total") is not None:
+        lines.append(f"cost: {_num(s['cost_total'])} total, {_num(s['cost_per_successful_request'])}"
+                     f" per successful request, {_num(s['cost_per_good_request'])} per good "
+                     f"request, {_num(s['cost_per_million_output_tokens'])} per 1M output tokens")
+    server = report.get("server_metrics", {}).get("series", {})
+    for name, points in server.items():
+        values = [v for _, v in points]
+        lines.append(f"server {name}: mean {sum(values) / len(values):.3g}, max {max(values):.3g}")
+    return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"

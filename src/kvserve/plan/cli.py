@@ -1,0 +1,315 @@
+"""`kvserve plan`: capacity in KV memory and context lengths, with queueing.
+
+    kvserve plan --preset llama-3.1-8b --memory 80GiB --context-lengths 1024,4096,8192
+    kvserve plan --model model.gguf --memory 2GiB --rate 5 --shift 800:6000 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+from kvserve.config import parse_size
+from kvserve.plan import kv_math, queueing
+from kvserve.plan.presets import PRESETS, ModelSpec, resolve_model
+
+QUEUEING_NOTE = ("thinking tool: Kingman (G/G/1) and Allen-Cunneen (G/G/c) assume FCFS, "
+                 "stationary arrivals and load-independent service times; batching breaks the "
+                 "last one. Use them for headroom and variance, `kvserve simulate` for numbers.")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--preset / --model and dtypes: shared with `kvserve simulate`."""
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--preset", help=f"named architecture: {', '.join(PRESETS)}")
+    group.add_argument("--model", help="model folder (config.json) or .gguf file; only the "
+                       "config and weight-file sizes are read")
+    parser.add_argument("--dtype", default=None,
+                        help="weight dtype (bytes per parameter): bfloat16, float16, float32, fp8, "
+                        "int8, q8_0, q4_1, int4. Default: the file size for --model, else bfloat16")
+    parser.add_argument("--kv-dtype", default="bfloat16",
+                        help="KV cache element dtype (bfloat16 = 2 bytes per element)")
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--memory", default=None,
+                        help="device memory per device, e.g. 80GiB or 80GB; default: the "
+                        "--hardware preset's memory")
+    parser.add_argument("--num-devices", type=int, default=1,
+                        help="devices one replica spans (tensor parallel): memory adds up, "
+                        "weights are stored once across them")
+    parser.add_argument("--reserve", default="10%",
+                        help="memory kept back for activations, workspace and runtime context: "
+                        "a percentage of memory ('10%%') or a size ('4GiB')")
+    parser.add_argument("--reserve-fraction", type=float, default=None,
+                        help="the reserve as a fraction of memory (0.1 = 10%%); overrides --reserve")
+    parser.add_argument("--context-lengths", default="1024,4096,8192,32768",
+                        help="rows of the concurrency table: total tokens per sequence (N) or "
+                        "PROMPT:OUTPUT tokens, comma separated")
+    parser.add_argument("--prompt-tokens", type=int, default=800,
+                        help="mean prompt length in tokens for the rate and replica estimate")
+    parser.add_argument("--output-tokens", type=int, default=256,
+                        help="mean output length in tokens for the rate, replica and shift rows")
+    parser.add_argument("--shift", default=None,
+                        help="context-length shift FROM:TO in mean prompt tokens, e.g. 800:6000")
+    parser.add_argument("--rate", type=float, default=None, help="target request rate in requests/s")
+    parser.add_argument("--mean-service-s", type=float, default=None,
+                        help="mean request service time in seconds (prefill + decode); default: "
+                        "a roofline estimate on --hardware")
+    parser.add_argument("--hardware", default=None,
+                        help="accelerator for service-time estimates: h100, h200, a100, l4 "
+                        "(default h100 when needed)")
+    parser.add_argument("--max-num-seqs", type=int, default=256,
+                        help="scheduler cap on sequences per replica (batch slots)")
+    parser.add_argument("--headroom", type=float, default=0.75,
+                        help="target utilization ceiling per replica (0.7-0.8 typical)")
+    parser.add_argument("--arrival-cv", type=float, default=1.0,
+                        help="coefficient of variation of inter-arrival times (1 = Poisson)")
+    parser.add_argument("--service-cv", type=float, default=1.0,
+                        help="coefficient of variation of service times (LLM traffic is often > 1)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+@dataclass(frozen=True)
+class Capacity:
+    spec: ModelSpec
+    budget: kv_math.MemoryBudget
+    kv_bytes_per_token: int
+    kv_capacity_tokens: int
+    block_size: int
+
+
+def weight_bytes_of(spec: ModelSpec, dtype: str | None) -> int:
+    """Exact file bytes for a model on disk unless a dtype is named."""
+    if dtype is None and spec.weight_file_bytes is not None:
+        return spec.weight_file_bytes
+    return kv_math.weight_bytes(spec.config, kv_math.dtype_bytes(dtype or "bfloat16"))
+
+
+def capacity(args: argparse.Namespace, spec: ModelSpec, memory_bytes: int) -> Capacity:
+    reserve_fraction, reserve_bytes = _reserve(args, memory_bytes)
+    budget = kv_math.memory_budget(memory_bytes, weight_bytes_of(spec, args.dtype),
+                                   reserve_fraction, reserve_bytes)
+    per_token = kv_math.kv_bytes_per_token(spec.config, kv_math.dtype_bytes(args.kv_dtype))
+    tokens = kv_math.kv_capacity_tokens(budget.kv_bytes, per_token, args.block_size)
+    return Capacity(spec, budget, per_token, tokens, args.block_size)
+
+
+def _reserve(args: argparse.Namespace, memory_bytes: int) -> tuple[float, int]:
+    if args.reserve_fraction is not None:
+        return args.reserve_fraction, 0
+    text = str(args.reserve).strip()
+    if text.endswith("%"):
+        try:
+            return float(text[:-1]) / 100.0, 0
+        except ValueError:
+            raise ValueError(f"bad --reserve {text!r}: use a percentage like 10% or a size") from None
+    return 0.0, parse_size(text)
+
+
+def _memory_bytes(args: argparse.Namespace) -> int:
+    if args.num_devices < 1:
+        raise ValueError(f"--num-devices must be >= 1, got {args.num_devices}")
+    if args.memory is not None:
+        per_device = parse_size(args.memory)
+    elif args.hardware is not None:
+        per_device = _hardware(args).memory_bytes
+    else:
+        raise ValueError("give --memory (e.g. 80GiB) or --hardware (h100, h200, a100, l4)")
+    return per_device * args.num_devices
+
+
+def _hardware(args: argparse.Namespace):
+    from kvserve.sim.hardware import hardware_preset  # plain numbers, no engine
+
+    return hardware_preset(args.hardware or "h100")
+
+
+def service_time_estimate_s(args: argparse.Namespace, cap: Capacity, ctx: kv_math.ContextLength,
+                            batch: int) -> float:
+    """Roofline estimate: prefill the prompt alone, then `output` decode steps
+    at `batch` sequences of this context. Optimistic (no queueing inside)."""
+    from kvserve.sim.cost_model import RooflineCostModel, StepShape
+
+    model = RooflineCostModel(cap.spec.config, _hardware(args),
+                              cap.budget.weight_bytes / max(1, cap.spec.config.num_parameters()),
+                              kv_math.dtype_bytes(args.kv_dtype))
+    p = ctx.prompt_tokens
+    prefill_s = model.step_time_s(StepShape(p, 0, p, p * (p + 1) // 2))
+    held = int(ctx.mean_held_tokens)
+    decode_step_s = model.step_time_s(StepShape(0, batch, batch * held, batch * held))
+    return prefill_s + ctx.output_tokens * decode_step_s
+
+
+def build_plan(args: argparse.Namespace) -> dict:
+    spec = resolve_model(args.preset, args.model)
+    cap = capacity(args, spec, _memory_bytes(args))
+    contexts = kv_math.parse_context_lengths(args.context_lengths)
+    table = kv_math.concurrency_table(cap.kv_capacity_tokens, cap.kv_bytes_per_token, contexts,
+                                      cap.block_size)
+    plan = {
+        "model": {"name": spec.name, "layers": spec.config.num_hidden_layers,
+                  "kv_heads": spec.config.num_key_value_heads, "head_dim": spec.config.head_dim,
+                  "parameters": spec.config.num_parameters()},
+        "memory_bytes": cap.budget.memory_bytes, "num_devices": args.num_devices,
+        "weight_bytes": cap.budget.weight_bytes, "reserve_bytes": cap.budget.reserve_bytes,
+        "kv_cache_bytes": cap.budget.kv_bytes, "fits": cap.budget.fits,
+        "kv_bytes_per_token": cap.kv_bytes_per_token, "block_size": cap.block_size,
+        "kv_capacity_tokens": cap.kv_capacity_tokens,
+        "max_concurrency": [_row_json(r) for r in table],
+        "context_shift": None, "queueing": None, "replicas": None,
+    }
+    if not cap.budget.fits:
+        return plan
+    plan["context_shift"] = _shift_json(args, cap) if args.shift else None
+    plan["queueing"], plan["replicas"] = _queueing_json(args, cap)
+    return plan
+
+
+def _row_json(row: kv_math.ConcurrencyRow) -> dict:
+    return {"prompt_tokens": row.context.prompt_tokens, "output_tokens": row.context.output_tokens,
+            "total_tokens": row.context.total_tokens,
+            "kv_bytes_per_sequence": row.kv_bytes_per_sequence,
+            "max_concurrency": row.max_concurrency}
+
+
+def _slots(args: argparse.Namespace, cap: Capacity, ctx: kv_math.ContextLength) -> int:
+    fit = kv_math.max_concurrency(cap.kv_capacity_tokens, ctx.total_tokens, cap.block_size)
+    return max(1, min(args.max_num_seqs, fit))
+
+
+def _mean_service_s(args: argparse.Namespace, cap: Capacity,
+                    ctx: kv_math.ContextLength) -> tuple[float, str]:
+    if args.mean_service_s is not None:
+        if args.mean_service_s <= 0:
+            raise ValueError(f"--mean-service-s must be > 0, got {args.mean_service_s}")
+        return args.mean_service_s, "given"
+    estimate = service_time_estimate_s(args, cap, ctx, _slots(args, cap, ctx))
+    return estimate, f"roofline estimate on {_hardware(args).name} at a full batch"
+
+
+def _shift_json(args: argparse.Namespace, cap: Capacity) -> dict:
+    try:
+        before_p, after_p = (int(x) for x in args.shift.split(":"))
+    except ValueError:
+        raise ValueError(f"bad --shift {args.shift!r}: use FROM:TO prompt tokens, e.g. 800:6000") from None
+    before = kv_math.ContextLength(before_p, args.output_tokens)
+    after = kv_math.ContextLength(after_p, args.output_tokens)
+    service_before = service_after = None
+    if args.rate is not None:
+        service_before, _ = _mean_service_s(args, cap, before)
+        # The roofline's ratio carries a given service time to the new length.
+        ratio = (service_time_estimate_s(args, cap, after, _slots(args, cap, after))
+                 / service_time_estimate_s(args, cap, before, _slots(args, cap, before)))
+        service_after = service_before * ratio
+    shift = kv_math.context_shift(cap.kv_capacity_tokens, cap.kv_bytes_per_token, before, after,
+                                  args.rate, service_before, service_after, cap.block_size)
+    return {"before": _row_json(shift.before), "after": _row_json(shift.after),
+            "concurrency_ratio": shift.concurrency_ratio, "rate_per_s": args.rate,
+            "service_s_before": service_before, "service_s_after": service_after,
+            "kv_demand_tokens_before": shift.kv_demand_tokens_before,
+            "kv_demand_tokens_after": shift.kv_demand_tokens_after,
+            "kv_capacity_tokens": cap.kv_capacity_tokens}
+
+
+def _queueing_json(args: argparse.Namespace, cap: Capacity) -> tuple[dict, dict | None]:
+    ctx = kv_math.ContextLength(args.prompt_tokens, args.output_tokens)
+    service_s, source = _mean_service_s(args, cap, ctx)
+    curve = queueing.wait_curve(service_s, args.arrival_cv, args.service_cv)
+    slots = _slots(args, cap, ctx)
+    kingman = {"note": QUEUEING_NOTE, "mean_service_s": service_s, "mean_service_source": source,
+               "arrival_cv": args.arrival_cv, "service_cv": args.service_cv, "slots": slots,
+               "kingman_wait_s": [
+                   {"utilization": u, "wait_s": w, "wait_in_service_times": w / service_s,
+                    "replica_wait_s": queueing.allen_cunneen_wait_s(slots, u, service_s, args.arrival_cv,
+                                                                    args.service_cv)}
+                   for u, w in curve]}
+    if args.rate is None:
+        return kingman, None
+    rp = queueing.replicas_for_rate(args.rate, service_s, _slots(args, cap, ctx), args.headroom,
+                                    args.arrival_cv, args.service_cv)
+    replicas = {"rate_per_s": rp.rate_per_s, "headroom": rp.headroom,
+                "prompt_tokens": ctx.prompt_tokens, "output_tokens": ctx.output_tokens,
+                "mean_service_s": rp.mean_service_s, "slots_per_replica": rp.slots_per_replica,
+                "capacity_per_replica_per_s": rp.capacity_per_replica_per_s,
+                "num_replicas": rp.num_replicas, "utilization": rp.utilization,
+                "queue_wait_s_allen_cunneen": rp.queue_wait_s}
+    return kingman, replicas
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan = build_plan(args)
+    except ValueError as exc:
+        print(f"kvserve plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    if not plan["fits"]:
+        print("kvserve plan: weights + reserve exceed memory: nothing left for the KV cache "
+              "(use more --memory / --num-devices or a smaller --dtype)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:,.2f} GiB"
+
+
+def format_plan(plan: dict) -> str:
+    m = plan["model"]
+    lines = [f"model {m['name']}: {m['parameters'] / 1e9:.3g}B params, {m['layers']} layers, "
+             f"{m['kv_heads']} KV heads x {m['head_dim']} head dim",
+             f"memory          {_gib(plan['memory_bytes'])} on {plan['num_devices']} device(s)",
+             f"weights         {_gib(plan['weight_bytes'])}",
+             f"reserve         {_gib(plan['reserve_bytes'])} (activations, workspace, runtime)",
+             f"KV cache        {_gib(plan['kv_cache_bytes'])}",
+             f"KV per token    {plan['kv_bytes_per_token']:,} bytes",
+             f"KV capacity     {plan['kv_capacity_tokens']:,} tokens "
+             f"(blocks of {plan['block_size']})", "",
+             f"{'prompt':>8} {'output':>8} {'total':>8} {'KV/seq':>12} {'max concurrent':>15}"]
+    for row in plan["max_concurrency"]:
+        lines.append(f"{row['prompt_tokens']:>8} {row['output_tokens']:>8} {row['total_tokens']:>8} "
+                     f"{_gib(row['kv_bytes_per_sequence']):>12} {row['max_concurrency']:>15,}")
+    lines += _format_shift(plan["context_shift"]) + _format_queueing(plan["queueing"], plan["replicas"])
+    return "\n".join(lines)
+
+
+def _format_shift(shift: dict | None) -> list[str]:
+    if not shift:
+        return []
+    b, a = shift["before"], shift["after"]
+    lines = ["", f"context shift: prompt {b['prompt_tokens']} -> {a['prompt_tokens']} tokens "
+             f"(output {b['output_tokens']})",
+             f"  max concurrent {b['max_concurrency']:,} -> {a['max_concurrency']:,} "
+             f"(x{shift['concurrency_ratio']:.3f})"]
+    if shift["kv_demand_tokens_before"] is not None:
+        cap = shift["kv_capacity_tokens"]
+        lines.append(f"  at {shift['rate_per_s']} req/s, KV in use (Little's law) "
+                     f"{shift['kv_demand_tokens_before']:,.0f} -> {shift['kv_demand_tokens_after']:,.0f} "
+                     f"tokens = {shift['kv_demand_tokens_before'] / cap:.0%} -> "
+                     f"{shift['kv_demand_tokens_after'] / cap:.0%} of one replica's cache")
+    return lines
+
+
+def _format_queueing(q: dict | None, replicas: dict | None) -> list[str]:
+    if not q:
+        return []
+    lines = ["", f"queueing ({q['note']})",
+             f"  mean service {q['mean_service_s']:.3f} s ({q['mean_service_source']}), "
+             f"ca={q['arrival_cv']}, cs={q['service_cv']}",
+             f"  {'utilization':>11}  {'Kingman G/G/1 wait':>22}  {'replica wait, ' + str(q['slots']) + ' slots':>22}"]
+    for point in q["kingman_wait_s"]:
+        lines.append(f"  {point['utilization']:>11.0%}  {point['wait_s']:>9.3f} s "
+                     f"({point['wait_in_service_times']:>5.2f} x S)  {point['replica_wait_s']:>20.4f} s")
+    if replicas:
+        lines += ["", f"replicas for {replicas['rate_per_s']} req/s at <= {replicas['headroom']:.0%} "
+                  f"utilization: {replicas['num_replicas']} "
+                  f"({replicas['slots_per_replica']} slots x {replicas['mean_service_s']:.3f} s service "
+                  f"= {replicas['capacity_per_replica_per_s']:.2f} req/s each; utilization "
+                  f"{replicas['utilization']:.0%}, Allen-Cunneen wait "
+                  f"{replicas['queue_wait_s_allen_cunneen'] * 1000:.1f} ms)"]
+    return lines

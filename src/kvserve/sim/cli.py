@@ -1,0 +1,248 @@
+"""`kvserve simulate`: the real scheduler and admission controller on a
+virtual clock, with a hardware cost model in place of the GPU.
+
+Takes `kvserve bench`'s workload / arrival / SLO flags (the same argparse
+actions, adopted from bench's parser so the two never drift), `kvserve
+serve`'s engine and admission flags, and `kvserve plan`'s model flags, and
+writes the same report.json as `kvserve bench`.
+
+    kvserve simulate --preset llama-3.1-8b --hardware h100 --rate 20 --num-requests 2000
+    kvserve simulate --model m.gguf --hardware profile.json --rate 2 --out sim-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from kvserve.bench import cli as bench_cli
+from kvserve.bench.report import SLO, build_report, format_table, parse_slo, write_report
+from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig, parse_size
+from kvserve.plan import kv_math
+from kvserve.plan.cli import add_model_arguments, weight_bytes_of
+from kvserve.plan.presets import ModelSpec, resolve_model
+from kvserve.sim.cost_model import (CostModel, LinearCostModel, RooflineCostModel,
+                                    resolve_hardware)
+from kvserve.sim.hardware import HardwareProfile
+from kvserve.sim.router import ROUTERS
+from kvserve.sim.simulator import AutoscaleConfig, SimConfig, Simulator
+
+# Above this many requests a run keeps (first, last) token times per request
+# instead of every token (memory), and report.json omits per-request rows.
+EXACT_EVENTS_MAX_REQUESTS = 20_000
+# Flags of `kvserve serve`'s engine group that make no sense here (or that
+# the model flags above already define).
+_SERVE_FLAGS_SKIPPED = {"--model", "--served-model-name", "--dtype", "--device", "--block-size"}
+
+
+def _adopt(parser: argparse.ArgumentParser, build: Callable[[argparse.ArgumentParser], None],
+           titles: tuple[str, ...], skip: set[str] = frozenset()) -> None:
+    """Add another command's argument groups (by title) to `parser`: the very
+    same actions, so names, defaults and help stay one definition."""
+    source = argparse.ArgumentParser(add_help=False)
+    build(source)
+    for group in source._action_groups:
+        if group.title not in titles:
+            continue
+        target = parser.add_argument_group(group.title)
+        for action in group._group_actions:
+            taken = set(action.option_strings) & (skip | set(parser._option_string_actions))
+            if not taken:
+                target._add_action(action)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvserve.server import cli as serve_cli  # its engine / admission flags
+
+    add_model_arguments(parser)
+    _adopt(parser, bench_cli.add_arguments, ("workload and arrivals", "judgement and output"))
+    _adopt(parser, serve_cli.add_arguments, ("model and engine", "admission (the promise)"),
+           _SERVE_FLAGS_SKIPPED)
+    parser.set_defaults(out="sim-out", kv_cache_memory=None, spawn=False)
+    sim = parser.add_argument_group("simulation")
+    sim.add_argument("--hardware", default="h100",
+                     help="accelerator preset (h100, h200, a100, l4) for a roofline cost model, or a "
+                          "profile JSON from `kvserve profile` (a fitted model of this machine)")
+    sim.add_argument("--memory", default=None,
+                     help="device memory for sizing the KV cache when --kv-cache-memory is not given "
+                          "(default: the hardware preset's), e.g. 80GB")
+    sim.add_argument("--reserve", default="10%",
+                     help="memory kept back from the KV cache: a percentage ('10%%') or a size")
+    sim.add_argument("--compute-efficiency", type=float, default=0.5,
+                     help="roofline: achieved fraction of peak FLOP/s (0..1)")
+    sim.add_argument("--bandwidth-efficiency", type=float, default=0.8,
+                     help="roofline: achieved fraction of peak memory bandwidth (0..1)")
+    sim.add_argument("--step-overhead-ms", type=float, default=2.0,
+                     help="roofline: fixed time per engine step (launches, scheduling), milliseconds")
+    sim.add_argument("--replicas", type=int, default=1, help="replicas behind the router at start")
+    sim.add_argument("--router", choices=ROUTERS, default="least-queue",
+                     help="how requests are spread across replicas")
+    sim.add_argument("--no-admission", action="store_true",
+                     help="send every request straight to the scheduler (the no-front-door baseline)")
+    sim.add_argument("--autoscale-max-replicas", type=int, default=None,
+                     help="enable the scale-out rule, up to this many replicas")
+    sim.add_argument("--autoscale-interval", type=float, default=10.0,
+                     help="seconds between scale-out checks")
+    sim.add_argument("--cold-start", type=float, default=60.0,
+                     help="seconds from scale-out to serving for a cold replica (load weights, warm up)")
+    sim.add_argument("--warm-pool", type=int, default=0,
+                     help="pre-started replicas: the first scale-outs serve after --warm-start instead")
+    sim.add_argument("--warm-start", type=float, default=0.0,
+                     help="seconds from scale-out to serving for a warm-pool replica")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        slo = parse_slo(args.slo)
+        bench_cli._validate(args)
+        if args.concurrency is not None:
+            raise ValueError("simulate runs open-loop arrivals and traces; --concurrency "
+                             "(closed loop) is not simulated")
+        spec = resolve_model(args.preset, args.model)
+        cost_model, num_blocks = cost_model_and_num_blocks(args, spec)
+        config = sim_config(args, spec, num_blocks)
+        if args.sweep:
+            return _run_sweep(args, config, cost_model, slo)
+        report = simulate_once(args, config, cost_model, slo, args.rate, Path(args.out))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvserve simulate: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(report))
+    print(_format_simulation(report["config"]["simulation"]))
+    print(f"wrote {Path(args.out) / 'report.json'} and report.html")
+    return 0
+
+
+def cost_model_and_num_blocks(args: argparse.Namespace, spec: ModelSpec) -> tuple[CostModel, int]:
+    """The cost model and the KV cache blocks of one replica: from
+    --kv-cache-memory, else the profiled engine's cache (a profile JSON), else
+    the hardware's memory less weights and reserve (a preset)."""
+    hardware = resolve_hardware(args.hardware)
+    weights = weight_bytes_of(spec, args.dtype)
+    if isinstance(hardware, LinearCostModel):
+        engine = dict(hardware.engine)
+        if args.kv_cache_memory is None and "num_blocks" in engine:
+            return hardware, engine["num_blocks"]
+        if args.kv_cache_memory is None:
+            raise ValueError("this profile records no KV cache size: give --kv-cache-memory")
+        if "kv_bytes_per_block" in engine:  # the profiled engine's KV dtype, not --kv-dtype
+            return hardware, max(1, parse_size(args.kv_cache_memory) // engine["kv_bytes_per_block"])
+        return hardware, _blocks(args, spec, parse_size(args.kv_cache_memory))
+    model = RooflineCostModel(spec.config, hardware, weights / max(1, spec.config.num_parameters()),
+                              kv_math.dtype_bytes(args.kv_dtype), args.compute_efficiency,
+                              args.bandwidth_efficiency, args.step_overhead_ms / 1000.0)
+    kv_bytes = parse_size(args.kv_cache_memory) if args.kv_cache_memory else \
+        _kv_bytes_from_memory(args, hardware, weights)
+    return model, _blocks(args, spec, kv_bytes)
+
+
+def _blocks(args: argparse.Namespace, spec: ModelSpec, kv_bytes: int) -> int:
+    per_token = kv_math.kv_bytes_per_token(spec.config, kv_math.dtype_bytes(args.kv_dtype))
+    num_blocks = kv_bytes // (per_token * args.block_size)
+    if num_blocks < 1:
+        raise ValueError(f"{kv_bytes} bytes of KV cache hold no block of {args.block_size} tokens")
+    return num_blocks
+
+
+def _kv_bytes_from_memory(args: argparse.Namespace, hardware: HardwareProfile, weights: int) -> int:
+    memory = parse_size(args.memory) if args.memory else hardware.memory_bytes
+    reserve = str(args.reserve).strip()
+    fraction, extra = (float(reserve[:-1]) / 100, 0) if reserve.endswith("%") else (0.0, parse_size(reserve))
+    budget = kv_math.memory_budget(memory, weights, fraction, extra)
+    if not budget.fits:
+        raise ValueError(f"weights ({weights / 2**30:.1f} GiB) and reserve exceed {hardware.name}'s "
+                         f"memory ({memory / 2**30:.1f} GiB); see `kvserve plan`")
+    return budget.kv_bytes
+
+
+def sim_config(args: argparse.Namespace, spec: ModelSpec, num_blocks: int) -> SimConfig:
+    max_model_len = min(spec.config.max_position_embeddings,
+                        args.max_model_len or spec.config.max_position_embeddings)
+    autoscale = None
+    if args.autoscale_max_replicas is not None:
+        autoscale = AutoscaleConfig(args.autoscale_max_replicas, args.autoscale_interval,
+                                    args.cold_start, args.warm_pool, args.warm_start)
+    admission = None if args.no_admission else _admission_config(args)
+    return SimConfig(
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs, max_model_len=max_model_len),
+        cache=CacheConfig(num_blocks=num_blocks, block_size=args.block_size,
+                          enable_prefix_caching=not args.no_prefix_caching),
+        admission=admission, num_replicas=args.replicas, router=args.router, autoscale=autoscale)
+
+
+def _admission_config(args: argparse.Namespace) -> AdmissionConfig:
+    """The server's own flags -> config mapping, with serve's defaults for
+    the flags simulate does not take (host, port, ...)."""
+    from kvserve.server import cli as serve_cli
+
+    serve_parser = argparse.ArgumentParser(add_help=False)
+    serve_cli.add_arguments(serve_parser)
+    merged = vars(serve_parser.parse_args([]))
+    merged.update({k: v for k, v in vars(args).items() if k in merged})
+    admission, _ = serve_cli.configs(argparse.Namespace(**merged), "sim")
+    return admission
+
+
+def simulate_once(args: argparse.Namespace, config: SimConfig, cost_model: CostModel, slo: SLO,
+                  rate_per_s: float, out_dir: Path) -> dict:
+    plan = bench_cli._plan(args, rate_per_s)
+    exact = len(plan.specs) <= EXACT_EVENTS_MAX_REQUESTS
+    config = replace(config, exact_token_events=exact)
+    wall_start = time.perf_counter()
+    result = Simulator(config, cost_model).run(plan.specs, plan.offsets_s)
+    wall_s = time.perf_counter() - wall_start
+    run_config = bench_cli._jsonable({k: v for k, v in vars(args).items()})
+    run_config["simulation"] = {
+        "cost_model": cost_model.describe(), "num_blocks": config.cache.num_blocks,
+        "block_size": config.cache.block_size, "admission": config.admission is not None,
+        "router": config.router, "replicas": result.replicas,
+        "replica_timeline": [list(p) for p in result.replica_timeline],
+        "num_steps": result.num_steps, "simulated_s": result.duration_s, "wall_s": wall_s,
+        "exact_token_events": exact, "requests_omitted": 0}
+    report = build_report(result.records, slo, price_per_hour=args.price_per_hour,
+                          config=run_config)
+    if not exact:
+        run_config["simulation"]["requests_omitted"] = len(report["requests"])
+        report["requests"] = []
+    write_report(report, out_dir)
+    return report
+
+
+def _run_sweep(args: argparse.Namespace, config: SimConfig, cost_model: CostModel, slo: SLO) -> int:
+    from kvserve.bench.sweep import capacity_search
+
+    out = Path(args.out)
+
+    def run_at(rate: float) -> dict:
+        return simulate_once(args, config, cost_model, slo, rate, out / f"rate_{rate:.4g}")
+
+    def show(point) -> None:
+        print(f"rate {point.rate_per_s:8.3g} req/s: sustainable={point.sustainable} "
+              f"slo_passed={point.slo_passed} goodput={point.goodput}")
+
+    result = capacity_search(run_at, args.sweep_start_rate, args.sweep_max_runs,
+                             args.sweep_tolerance, on_point=show)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps(result.to_dict(), indent=1))
+    print(f"max sustainable rate: {result.max_sustainable_rate_per_s} req/s; capacity at SLO "
+          f"{slo.name}: {result.capacity_at_slo_per_s} req/s (simulated; wrote {out / 'sweep.json'})")
+    return 0
+
+
+def _format_simulation(sim: dict) -> str:
+    replicas = sim["replicas"]
+    preemptions = sum(r["num_preemptions"] for r in replicas)
+    hits = sum(r["prefix_cache_hits"] for r in replicas)
+    queries = sum(r["prefix_cache_queries"] for r in replicas)
+    kind = sim["cost_model"]["kind"]
+    return (f"simulated {sim['simulated_s']:.1f} s on {len(replicas)} replica(s) "
+            f"({kind} cost model, {sim['num_blocks']} KV blocks each, router {sim['router']}, "
+            f"admission {'on' if sim['admission'] else 'off'}) in {sim['wall_s']:.1f} s wall: "
+            f"{sim['num_steps']} steps, {preemptions} preemptions, prefix hits "
+            f"{hits / queries if queries else 0:.1%} of prompt tokens")

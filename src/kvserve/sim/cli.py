@@ -60,7 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvserve.server import cli as serve_cli  # its engine / admission flags
 
     add_model_arguments(parser)
-    _adopt(parser, bench_cli.add_arguments, ("workload and arrivals", "judgement and output"))
+    # The very same flag definitions as `kvserve bench`, so the two never drift.
+    bench_cli.add_workload_arguments(parser.add_argument_group("workload and arrivals"))
+    bench_cli.add_judgement_arguments(parser.add_argument_group("judgement and output"))
     _adopt(parser, serve_cli.add_arguments, ("model and engine", "admission (the promise)"),
            _SERVE_FLAGS_SKIPPED)
     parser.set_defaults(out="sim-out", kv_cache_memory=None, spawn=False)
@@ -99,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         slo = parse_slo(args.slo)
-        bench_cli._validate(args)
+        bench_cli.validate_args(args)
         if args.concurrency is not None:
             raise ValueError("simulate runs open-loop arrivals and traces; --concurrency "
                              "(closed loop) is not simulated")
@@ -191,13 +193,13 @@ def _admission_config(args: argparse.Namespace) -> AdmissionConfig:
 
 def simulate_once(args: argparse.Namespace, config: SimConfig, cost_model: CostModel, slo: SLO,
                   rate_per_s: float, out_dir: Path) -> dict:
-    plan = bench_cli._plan(args, rate_per_s)
+    plan = bench_cli.plan_requests(args, rate_per_s)
     exact = len(plan.specs) <= EXACT_EVENTS_MAX_REQUESTS
     config = replace(config, exact_token_events=exact)
     wall_start = time.perf_counter()
     result = Simulator(config, cost_model).run(plan.specs, plan.offsets_s)
     wall_s = time.perf_counter() - wall_start
-    run_config = bench_cli._jsonable({k: v for k, v in vars(args).items()})
+    run_config = bench_cli.jsonable({k: v for k, v in vars(args).items()})
     run_config["simulation"] = {
         "cost_model": cost_model.describe(), "num_blocks": config.cache.num_blocks,
         "block_size": config.cache.block_size, "admission": config.admission is not None,

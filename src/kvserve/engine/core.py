@@ -1,0 +1,182 @@
+"""EngineCore: one step of the engine is schedule -> execute -> update.
+
+The core is synchronous and single-threaded: the offline `LLM` calls `step()`
+in a loop, the async server drives it from a background loop. It owns the
+scheduler (which requests run, KV blocks), the model runner (tensors, forward
+pass, sampling) and one incremental detokenizer per request (text deltas,
+stop strings).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import CacheConfig, SchedulerConfig, parse_size
+from kvserve.contract import Request, RequestStatus, ResolvedVersions, SamplingParams
+from kvserve.engine.outputs import RequestOutput
+from kvserve.model.config import ModelConfig
+from kvserve.model.detokenizer import IncrementalDetokenizer
+from kvserve.model.sampler import SamplerOutput, TokenLogprob
+from kvserve.model.tokenizer import Tokenizer
+from kvserve.runner import ModelRunner
+from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine is sized. kv_cache_memory_bytes is turned into a number
+    of blocks by the runner; max_model_len (tokens) defaults to the model's
+    context and is capped by it."""
+
+    dtype: str = "float32"
+    kv_cache_memory_bytes: int = 2 * 2**30
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    device: str | None = None  # None: CUDA when available, else CPU
+    max_model_len: int | None = None
+    seed: int = 0  # seeds the sampler's generator for unseeded requests
+
+    @classmethod
+    def from_sizes(cls, kv_cache_memory: str | int = "2GiB", **fields) -> "EngineConfig":
+        return cls(kv_cache_memory_bytes=parse_size(kv_cache_memory), **fields)
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 tokens, got {self.max_model_len}")
+
+
+class _RequestState:
+    """Engine-side state of one unfinished request beside the scheduler's Request."""
+
+    __slots__ = ("request", "detokenizer", "logprobs")
+
+    def __init__(self, request: Request, detokenizer: IncrementalDetokenizer) -> None:
+        self.request = request
+        self.detokenizer = detokenizer
+        wants_logprobs = request.sampling_params.logprobs is not None
+        self.logprobs: list[TokenLogprob] | None = [] if wants_logprobs else None
+
+
+class EngineCore:
+    def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Tokenizer,
+                 config: EngineConfig = EngineConfig(), *, versions: ResolvedVersions | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.config = config
+        self.clock = clock
+        self.max_model_len = min(model_config.max_position_embeddings,
+                                 config.max_model_len or model_config.max_position_embeddings)
+        self.runner = ModelRunner(model_config, weights, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                                  block_size=config.block_size, dtype=config.dtype, device=config.device,
+                                  max_model_len=self.max_model_len, seed=config.seed)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len),
+            CacheConfig(num_blocks=self.runner.num_blocks, block_size=config.block_size,
+                        enable_prefix_caching=config.enable_prefix_caching),
+            clock=clock)
+        # Prefix-cache namespace: KV computed by other weights must never be reused.
+        self.cache_namespace = versions.model_revision if versions is not None else ""
+        self.eos_token_id = tokenizer.eos_token_id
+        self._states: dict[str, _RequestState] = {}
+        self._ids = itertools.count()
+        self.last_num_batched_tokens = 0  # tokens in the latest step's forward pass
+
+    # -- requests in and out -------------------------------------------------
+    def new_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    **fields) -> Request:
+        """A Request carrying this engine's EOS token, clock and cache namespace;
+        `fields` are other Request fields (priority, tenant, deadline)."""
+        return Request(request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
+                       prompt_token_ids=list(prompt_token_ids), sampling_params=sampling_params,
+                       arrival_time=self.clock() if arrival_time is None else arrival_time,
+                       eos_token_id=self.eos_token_id, cache_namespace=self.cache_namespace, **fields)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError (engine unchanged) if its prompt has
+        token ids outside the vocabulary or cannot fit the model's context."""
+        self.check_prompt(request.prompt_token_ids)
+        self.scheduler.add_request(request)
+        params = request.sampling_params
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop,
+                                             skip_special_tokens=True)
+        self._states[request.request_id] = _RequestState(request, detokenizer)
+
+    def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
+        num_tokens = len(prompt_token_ids)
+        if num_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {num_tokens} tokens but the model's context is "
+                             f"{self.max_model_len} tokens (prompt plus at least one output token)")
+        vocab_size = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a request now and free its KV; its final output, or None if unknown."""
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        return self._output(self._states.pop(request_id), [], [], "")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass; outputs for every request that got a token or finished."""
+        scheduled = self.scheduler.schedule()
+        sampled = self.runner.execute(scheduled)
+        self.last_num_batched_tokens = scheduled.num_batched_tokens
+        return self._process(scheduled, sampled)
+
+    def _process(self, scheduled: SchedulerOutput, sampled: SamplerOutput) -> list[RequestOutput]:
+        progressed = self.scheduler.update(scheduled, sampled.token_ids)
+        # Finished while scheduling (outgrew the whole KV cache): report with held-back text.
+        outputs = []
+        for request in scheduled.finished:
+            state = self._states.pop(request.request_id)
+            outputs.append(self._output(state, [], [], state.detokenizer.flush()))
+        for request in progressed:
+            token_id = request.output_token_ids[-1]
+            outputs.append(self._emit(request, token_id, sampled.logprobs.get(request.request_id)))
+        return outputs
+
+    def _emit(self, request: Request, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
+        state = self._states[request.request_id]
+        delta = state.detokenizer.push(token_id)
+        new_text = delta.new_text
+        if delta.stopped and request.is_finished:
+            # Hit max_tokens on the same token that completed a stop string: the
+            # text ends at the stop string, so the reason is "stop" (already freed).
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif delta.stopped:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        elif request.is_finished:
+            new_text += state.detokenizer.flush()  # text held back for a stop string that never came
+        if state.logprobs is not None and logprob is not None:
+            state.logprobs.append(logprob)
+        if request.is_finished:
+            del self._states[request.request_id]
+        new_logprobs = [logprob] if state.logprobs is not None and logprob is not None else []
+        return self._output(state, [token_id], new_logprobs, new_text)
+
+    @staticmethod
+    def _output(state: _RequestState, new_token_ids: list[int], new_logprobs: list[TokenLogprob],
+                new_text: str) -> RequestOutput:
+        request = state.request
+        return RequestOutput(
+            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            text=state.detokenizer.text, new_text=new_text, token_ids=list(request.output_token_ids),
+            new_token_ids=new_token_ids, finished=request.is_finished, finish_reason=request.finish_reason,
+            num_cached_tokens=request.num_cached_tokens, timestamps=request.timestamps,
+            logprobs=None if state.logprobs is None else list(state.logprobs),
+            new_logprobs=None if state.logprobs is None else new_logprobs)

@@ -1,0 +1,106 @@
+"""The offline API: `LLM(...).generate(prompts, params)` and `.chat(messages, params)`.
+
+Runs the same EngineCore as the server, synchronously: add every request,
+step until all finish, return the final outputs in input order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from kvserve.contract import SamplingParams
+from kvserve.engine.core import EngineConfig, EngineCore
+from kvserve.engine.outputs import RequestOutput
+from kvserve.model.loader import load_model
+
+Prompt = str | Sequence[int]
+Messages = list[dict]
+
+
+class LLM:
+    def __init__(self, model: str | os.PathLike | None = None, dtype: str = "float32",
+                 kv_cache_memory: str | int = "2GiB", block_size: int = 16, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
+                 device: str | None = None, max_model_len: int | None = None, seed: int = 0) -> None:
+        """Load `model` (None: the embedded SmolLM2-135M-Instruct; a *.gguf file or a
+        Hugging Face folder) and size the KV cache to `kv_cache_memory` ("2GiB" or bytes)."""
+        config = EngineConfig.from_sizes(
+            kv_cache_memory, dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            device=device, max_model_len=max_model_len, seed=seed)
+        loaded = load_model(model)
+        self.engine = EngineCore(loaded.config, loaded.weights, loaded.tokenizer, config,
+                                 versions=loaded.versions)
+        self.tokenizer = loaded.tokenizer
+        self.versions = loaded.versions
+        self.source = loaded.source
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Complete each prompt (a string or a list of token ids); outputs in input order.
+        A bad prompt raises ValueError and leaves nothing queued."""
+        prompt_ids = [self._prompt_token_ids(p) for p in _as_prompt_list(prompts)]
+        return self._run(prompt_ids, _params_for(sampling_params, len(prompt_ids)))
+
+    def chat(self, messages: Messages | Sequence[Messages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {"role", "content"} dicts) or a list of
+        conversations, rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompt_ids = [self._chat_token_ids(conversation) for conversation in conversations]
+        return self._run(prompt_ids, _params_for(sampling_params, len(prompt_ids)))
+
+    def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def _chat_token_ids(self, conversation: Messages) -> list[int]:
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+        # The template writes any BOS itself; encoding must not add another.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _run(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+        engine = self.engine
+        requests = [engine.new_request(ids, p) for ids, p in zip(prompt_ids, params)]
+        added = []
+        try:
+            for request in requests:
+                engine.add_request(request)
+                added.append(request)
+        except ValueError:
+            for request in added:  # all or nothing: leave the engine as it was
+                engine.abort(request.request_id)
+            raise
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(requests):
+            for output in engine.step():
+                if output.finished:
+                    final[output.request_id] = output
+        return [final[r.request_id] for r in requests]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _params_for(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                num_prompts: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    params = list(sampling_params)
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} sampling_params for {num_prompts} prompts")
+    return params

@@ -1,0 +1,120 @@
+"""Tiny random-weight Hugging Face models for reference tests, and the mapping
+from their transformers config to kvserve's ModelConfig.
+
+Weights are initialised with a large std so logits are well separated and
+greedy argmax comparisons do not flip on float rounding near-ties.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from kvserve.model.config import ModelConfig
+
+TINY_DIMS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                 initializer_range=0.15)
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def tiny_llama(seed: int = 0, rope_scaling: dict | None = None, tie_word_embeddings: bool = False,
+               rope_theta: float = 10000.0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(**TINY_DIMS, rope_scaling=rope_scaling, rope_theta=rope_theta,
+                         tie_word_embeddings=tie_word_embeddings, eos_token_id=None, bos_token_id=None,
+                         pad_token_id=None)
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(**TINY_DIMS, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+                         tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(config).eval()
+    # HF initialises biases to zero; make them matter.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    return model
+
+
+def model_config_of(hf_model) -> ModelConfig:
+    c = hf_model.config
+    rope = dict(c.rope_parameters)
+    rope_type = rope.get("rope_type", "default")
+    return ModelConfig(
+        architecture=c.model_type, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        rms_norm_eps=c.rms_norm_eps, rope_theta=rope["rope_theta"],
+        rope_scaling=None if rope_type == "default" else rope,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
+        attention_bias=c.model_type == "qwen2" or bool(getattr(c, "attention_bias", False)),
+        eos_token_ids=())
+
+
+def weights_of(hf_model) -> dict[str, torch.Tensor]:
+    return {name: t.detach().float() for name, t in hf_model.state_dict().items()}
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Hugging Face's greedy continuation (EOS disabled: tiny models have none)."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        # An explicit mask: otherwise generate() treats prompt tokens equal to pad_token_id as padding.
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def word_tokenizer(vocab_size: int = TINY_DIMS["vocab_size"]):
+    """A whitespace word-level tokenizer over "t0".."t{n-1}": text "t5 t9" <-> [5, 9]."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    from kvserve.model.tokenizer import Tokenizer
+
+    backend = BackendTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(backend, bos_token_id=None, eos_token_ids=[], chat_template=None)
+
+
+def tiny_engine(hf_model, clock=None, **config_fields):
+    """An EngineCore over the HF model's weights. Default: 256 blocks of 4 tokens."""
+    from kvserve.engine.core import EngineConfig, EngineCore
+
+    model_config = model_config_of(hf_model)
+    fields = dict(block_size=4, device="cpu")
+    fields.update(config_fields)
+    num_blocks = fields.pop("num_blocks", 256)
+    bytes_per_block = fields["block_size"] * model_config.kv_bytes_per_token(4)
+    config = EngineConfig(kv_cache_memory_bytes=num_blocks * bytes_per_block, **fields)
+    extra = {} if clock is None else {"clock": clock}
+    return EngineCore(model_config, weights_of(hf_model), word_tokenizer(model_config.vocab_size), config,
+                      **extra)
+
+
+def run_to_completion(engine, prompts, params) -> dict:
+    """Add every prompt, step until all finish; request_id -> final RequestOutput, in order."""
+    requests = [engine.new_request(p, params) for p in prompts]
+    for request in requests:
+        engine.add_request(request)
+    final = {}
+    for _ in range(10_000):
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = output
+        if not engine.has_unfinished():
+            break
+    return {r.request_id: final[r.request_id] for r in requests}
+
+
+def random_prompts(lengths, vocab_size: int = TINY_DIMS["vocab_size"], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]

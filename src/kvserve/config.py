@@ -78,3 +78,87 @@ class SchedulerConfig:
         _check(self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
         _check(self.aging_s_per_priority > 0,
                f"aging_s_per_priority must be > 0, got {self.aging_s_per_priority}")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """The front door's promise and limits (see scheduler/admission.py).
+
+    Times are seconds, sizes are tokens unless named otherwise.
+    max_queue_wait_s: a request whose expected wait for KV / a batch slot is
+      above this is refused (429 + Retry-After) instead of queued.
+    deferred_max_queue_wait_s: the same limit for deferred classes (priority
+      > 0, e.g. service_tier "flex"), which accept a longer wait.
+    queue_timeout_s: a request admitted but not started within this is aborted
+      (503); a request's own deadline can make it shorter.
+    max_queue_len: most admitted requests waiting to start.
+    default_max_tokens: cap used when a request omits max_tokens (echoed back);
+      require_max_tokens refuses such requests instead.
+    ttft_slo_s / tpot_slo_s: the promise; tpot_slo_s also caps the running
+      batch so the measured decode step time stays inside it.
+    retry_budget: retry tokens earned per admission (0.1 = retries may be at
+      most ~10% of admissions); retry_budget_burst: the bucket's size.
+    degrade_wait_s: above this expected wait, cap max_tokens to
+      degrade_max_tokens instead of refusing (None disables degradation).
+    drain_window_s: time constant of the measured drain rate (EWMA).
+    """
+
+    max_queue_wait_s: float = 1.0
+    deferred_max_queue_wait_s: float = 8.0
+    queue_timeout_s: float = 30.0
+    max_queue_len: int = 256
+    default_max_tokens: int = 256
+    require_max_tokens: bool = False
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.1
+    retry_budget: float = 0.1
+    retry_budget_burst: float = 5.0
+    degrade_wait_s: float | None = None
+    degrade_max_tokens: int = 64
+    drain_window_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue_wait_s", "deferred_max_queue_wait_s", "queue_timeout_s",
+                     "ttft_slo_s", "tpot_slo_s", "drain_window_s"):
+            value = getattr(self, name)
+            _check(value > 0, f"{name} must be > 0 seconds, got {value}")
+        _check(self.max_queue_len >= 1, f"max_queue_len must be >= 1, got {self.max_queue_len}")
+        _check(self.default_max_tokens >= 1,
+               f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        _check(self.retry_budget >= 0, f"retry_budget must be >= 0, got {self.retry_budget}")
+        _check(self.retry_budget_burst >= 1,
+               f"retry_budget_burst must be >= 1, got {self.retry_budget_burst}")
+        _check(self.degrade_wait_s is None or self.degrade_wait_s >= 0,
+               f"degrade_wait_s must be >= 0 or None, got {self.degrade_wait_s}")
+        _check(self.degrade_max_tokens >= 1,
+               f"degrade_max_tokens must be >= 1, got {self.degrade_max_tokens}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP face: where it listens and how it treats slow or leaving clients.
+
+    stream_stall_timeout_s: a streaming client that reads nothing for this long
+      while output is pending is aborted, so a slow reader cannot hold KV.
+    shutdown_grace_s: on SIGTERM, in-flight requests get this long to finish
+      before they are aborted.
+    max_body_bytes: larger request bodies get 413.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = "kvserve"
+    api_keys_path: str | None = None
+    stream_stall_timeout_s: float = 30.0
+    shutdown_grace_s: float = 30.0
+    max_body_bytes: int = 4 * 2**20
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port <= 65535, f"port must be in 0..65535, got {self.port}")
+        _check(bool(self.served_model_name), "served_model_name must not be empty")
+        _check(self.stream_stall_timeout_s > 0,
+               f"stream_stall_timeout_s must be > 0, got {self.stream_stall_timeout_s}")
+        _check(self.shutdown_grace_s >= 0,
+               f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        _check(self.max_body_bytes >= 1024,
+               f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

@@ -1,0 +1,505 @@
+"""Admission control: the front door that keeps the promise.
+
+A request is admitted only if it can start soon enough to meet the TTFT
+target. The controller keeps a ledger of admitted requests (their projected
+KV blocks = ceil((prompt + max_tokens - prefix hit) / block_size)), measures
+how fast that work drains (an EWMA over busy time of projected blocks and
+requests released per second), and estimates a newcomer's wait from the work
+queued ahead of it in its priority class. Over the class's limit it answers
+429 with a Retry-After instead of letting the queue turn into timeouts.
+
+It also owns tenant quotas (concurrency, tokens per minute), the retry
+budget, degradation (cap max_tokens instead of refusing) and the running
+batch cap that keeps the measured decode step inside the TPOT target.
+
+Pure Python, clock injected, no asyncio or HTTP: the server and the simulator
+drive the same object. Not thread-safe: call it from one thread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from kvserve.config import AdmissionConfig
+
+ADMIT = "admit"
+DEGRADE = "degrade"
+REJECT = "reject"
+
+# Reasons a request is refused or ended before starting (OpenAI error `code`).
+KV_CACHE = "kv_cache"
+QUEUE_FULL = "queue_full"
+TENANT_QUOTA = "tenant_quota"
+RETRY_BUDGET = "retry_budget"
+NEVER_FITS = "never_fits"
+DEADLINE = "deadline"
+QUEUE_TIMEOUT = "queue_timeout"
+
+TPM_WINDOW_S = 60.0
+# A drain rate measured over less busy time than this is noise.
+MIN_MEASURED_BUSY_S = 0.05
+# Waits predicted shorter than this calibrate the fixed start latency; longer
+# ones the multiplicative error of the drain model.
+SHORT_WAIT_S = 0.05
+CALIBRATION_WEIGHT = 0.1  # EWMA weight of one observed start
+MAX_WAIT_CORRECTION = 4.0
+
+# The step-time model caps the batch at this share of the TPOT target, leaving
+# room for the prefill chunks that share decode steps.
+TPOT_HEADROOM = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionRequest:
+    """What admission needs to know about one request (plain numbers)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    num_cached_tokens: int = 0  # prefix-cache hit known at the door
+    priority: int = 0  # lower = more urgent
+    tenant: str = "default"
+    is_retry: bool = False
+    deadline: float | None = None  # absolute, on the controller's clock
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionDecision:
+    """admit | degrade (admit with max_tokens capped) | reject (status, reason)."""
+
+    outcome: str
+    max_tokens: int | None = None  # what to run with when admitted
+    status: int = 200
+    reason: str | None = None
+    retry_after_s: int | None = None  # whole seconds >= 1 on a 429
+    expected_wait_s: float | None = None
+    message: str = ""
+
+    @property
+    def admitted(self) -> bool:
+        return self.outcome != REJECT
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """None = unlimited."""
+
+    max_concurrent: int | None = None
+    tokens_per_minute: int | None = None
+
+
+@dataclass(slots=True)
+class _Ticket:
+    request: AdmissionRequest
+    max_tokens: int
+    num_blocks: int
+    start_by: float | None
+    start_by_reason: str
+    admitted_at: float
+    predicted_wait_s: float | None
+    started: bool = False
+
+
+class BusyRate:
+    """Amount per second, an exponentially weighted average over busy time.
+
+    Time only counts while the system is busy, so an idle minute does not
+    decay the estimate to zero and make the next burst look unservable.
+    """
+
+    def __init__(self, tau_s: float) -> None:
+        self.tau_s = tau_s
+        self._sum = 0.0
+        self._busy_s = 0.0
+        self._last: float | None = None
+        self._busy = False
+        self._seen = False
+
+    def advance(self, now: float, busy: bool) -> None:
+        """Move to `now`; `busy` says whether the coming interval is busy."""
+        if self._last is not None and self._busy:
+            dt = max(0.0, now - self._last)
+            self._sum *= math.exp(-dt / self.tau_s)
+            self._busy_s += dt
+        self._last = now
+        self._busy = busy
+
+    def add(self, amount: float) -> None:
+        self._sum += amount
+        self._seen = True
+
+    def rate(self, now: float) -> float | None:
+        """Per-second rate, or None before anything was measured."""
+        if not self._seen or self._last is None:
+            return None
+        dt = max(0.0, now - self._last) if self._busy else 0.0
+        busy_s = self._busy_s + dt
+        if busy_s < MIN_MEASURED_BUSY_S:
+            return None
+        total = self._sum * math.exp(-dt / self.tau_s)
+        # Bias correction: early on the window is shorter than tau.
+        return total / (self.tau_s * (1.0 - math.exp(-busy_s / self.tau_s)))
+
+
+class StepTimeModel:
+    """step_s ~= a + b * num_batched_tokens, fitted on decayed sums of the
+    measured engine steps; answers how many decoding sequences fit the TPOT."""
+
+    def __init__(self, decay: float = 0.98) -> None:
+        self._decay = decay
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, num_batched_tokens: int, step_s: float) -> None:
+        d = self._decay
+        x, y = float(num_batched_tokens), float(step_s)
+        self._w = self._w * d + 1.0
+        self._x = self._x * d + x
+        self._y = self._y * d + y
+        self._xx = self._xx * d + x * x
+        self._xy = self._xy * d + x * y
+
+    @property
+    def mean_step_s(self) -> float | None:
+        return self._y / self._w if self._w else None
+
+    def max_tokens_within(self, step_budget_s: float) -> int | None:
+        """Largest batch (tokens) whose predicted step fits the budget; None
+        while nothing says the budget binds."""
+        if not self._w:
+            return None
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var_x = self._xx / self._w - mean_x * mean_x
+        if var_x > 1.0:
+            slope = (self._xy / self._w - mean_x * mean_y) / var_x
+            if slope > 0:
+                intercept = mean_y - slope * mean_x
+                return max(1, math.floor((step_budget_s - intercept) / slope))
+        if mean_y <= step_budget_s:
+            return None
+        # One batch size seen and it is too slow: scale down proportionally.
+        return max(1, math.floor(mean_x * step_budget_s / mean_y))
+
+
+class AdmissionController:
+    """Decides admit / degrade / reject and keeps the ledger of admitted work.
+
+    Lifecycle of a request: `check` (pure) -> `admit` (records it) ->
+    `on_start` (the engine scheduled it) -> `on_finish` (done, aborted or
+    expired). `expired(now)` lists admitted requests that did not start in time.
+    """
+
+    def __init__(self, config: AdmissionConfig, num_blocks: int, block_size: int,
+                 max_num_seqs: int, clock: Callable[[], float],
+                 tenant_limits: Mapping[str, TenantLimits] | None = None) -> None:
+        self.config = config
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.clock = clock
+        self.tenant_limits = dict(tenant_limits or {})
+        self._tickets: dict[str, _Ticket] = {}
+        self._drain_blocks = BusyRate(config.drain_window_s)
+        self._drain_requests = BusyRate(config.drain_window_s)
+        self._admissions = BusyRate(config.drain_window_s)
+        self.step_model = StepTimeModel()
+        self._retry_tokens = config.retry_budget_burst
+        # Calibration of expected_wait_s against the waits actually observed.
+        self._wait_ratio = 1.0
+        self._start_latency_s = 0.0
+        # tenant -> deque of [time, request_id, tokens]; tokens refunded on finish.
+        self._tpm: dict[str, deque[list]] = {}
+        self._tpm_entry: dict[str, list] = {}
+
+    # ---- questions -------------------------------------------------------
+
+    def blocks_needed(self, num_prompt_tokens: int, max_tokens: int, num_cached_tokens: int = 0) -> int:
+        tokens = max(0, num_prompt_tokens + max_tokens - num_cached_tokens)
+        return -(-tokens // self.block_size)
+
+    @property
+    def num_queued(self) -> int:
+        return sum(1 for t in self._tickets.values() if not t.started)
+
+    @property
+    def num_started(self) -> int:
+        return sum(1 for t in self._tickets.values() if t.started)
+
+    def num_inflight(self, tenant: str | None = None) -> int:
+        return sum(1 for t in self._tickets.values() if tenant is None or t.request.tenant == tenant)
+
+    def running_cap(self) -> int:
+        """Running-batch cap that keeps the measured decode step inside the
+        TPOT target (at most max_num_seqs, at least 1)."""
+        budget_s = self.config.tpot_slo_s * TPOT_HEADROOM
+        tokens = self.step_model.max_tokens_within(budget_s)
+        return self.max_num_seqs if tokens is None else max(1, min(self.max_num_seqs, tokens))
+
+    def max_wait_s(self, priority: int) -> float:
+        """The class's limit: deferred classes (priority > 0) wait longer."""
+        return self.config.deferred_max_queue_wait_s if priority > 0 else self.config.max_queue_wait_s
+
+    def expected_wait_s(self, request: AdmissionRequest, max_tokens: int | None = None) -> tuple[float, str]:
+        """Expected seconds until `request` can start, and what binds it
+        (KV_CACHE or QUEUE_FULL for the running-batch slots)."""
+        now = self.clock()
+        max_tokens = request.max_tokens if max_tokens is None else max_tokens
+        need = self.blocks_needed(request.num_prompt_tokens, max_tokens, request.num_cached_tokens)
+        blocks_ahead, seqs_ahead = self._work_ahead(request, need)
+        excess_blocks = blocks_ahead + need - self.num_blocks
+        excess_seqs = seqs_ahead + 1 - self.running_cap()
+        # Before anything drained, allow one more cache (or batch) worth of
+        # queue and refuse beyond it.
+        kv_wait = _wait_for(excess_blocks, self._block_drain_rate(now), self.num_blocks)
+        seq_wait = _wait_for(excess_seqs, self._request_drain_rate(now), self.running_cap())
+        wait_s, binding = (kv_wait, KV_CACHE) if kv_wait >= seq_wait else (seq_wait, QUEUE_FULL)
+        return self._calibrated(wait_s), binding
+
+    def _calibrated(self, model_wait_s: float) -> float:
+        """The drain model's wait, corrected by how observed waits compared
+        with earlier predictions (multiplicative for queueing, additive for
+        the fixed latency of getting scheduled at all)."""
+        if model_wait_s < SHORT_WAIT_S:
+            return model_wait_s + self._start_latency_s
+        return model_wait_s * self._wait_ratio + self._start_latency_s
+
+    def _work_ahead(self, request: AdmissionRequest, need: int) -> tuple[int, int]:
+        """(blocks, requests) that will be served before `request`: everything
+        started, queued work of more urgent classes, and within its own class
+        its tenant's queue plus, from each other tenant, at most as much as
+        its own tenant has queued (the scheduler shares a class fairly)."""
+        blocks = seqs = 0
+        same_class: dict[str, list[int]] = {}
+        for t in self._tickets.values():
+            if t.started or t.request.priority < request.priority:
+                blocks, seqs = blocks + t.num_blocks, seqs + 1
+            elif t.request.priority == request.priority:
+                tenant = same_class.setdefault(t.request.tenant, [0, 0])
+                tenant[0] += t.num_blocks
+                tenant[1] += 1
+        own_blocks, own_seqs = same_class.pop(request.tenant, (0, 0))
+        blocks, seqs = blocks + own_blocks, seqs + own_seqs
+        for other_blocks, other_seqs in same_class.values():
+            blocks += min(other_blocks, own_blocks + need)
+            seqs += min(other_seqs, own_seqs + 1)
+        return blocks, seqs
+
+    def _block_drain_rate(self, now: float) -> float | None:
+        measured = self._drain_blocks.rate(now)
+        if measured is not None:
+            return measured
+        service_s = self._modelled_service_s()
+        return None if service_s is None else self.num_blocks / service_s
+
+    def _request_drain_rate(self, now: float) -> float | None:
+        measured = self._drain_requests.rate(now)
+        if measured is not None:
+            return measured
+        service_s = self._modelled_service_s()
+        return None if service_s is None else self.running_cap() / service_s
+
+    def _modelled_service_s(self) -> float | None:
+        """Before anything finished: a full cache (or batch) turns over in
+        about mean(max_tokens) decode steps of the measured step time."""
+        step_s = self.step_model.mean_step_s
+        if step_s is None or not self._tickets:
+            return None
+        mean_tokens = sum(t.max_tokens for t in self._tickets.values()) / len(self._tickets)
+        service_s = step_s * mean_tokens
+        return service_s if service_s > 0 else None
+
+    # ---- the decision ----------------------------------------------------
+
+    def check(self, request: AdmissionRequest) -> AdmissionDecision:
+        """Decide without changing any state."""
+        now = self.clock()
+        need = self.blocks_needed(request.num_prompt_tokens, request.max_tokens, request.num_cached_tokens)
+        if need > self.num_blocks:
+            return _reject(400, NEVER_FITS, None, (
+                f"the request needs {need} KV blocks (prompt + max_tokens) but the whole cache "
+                f"holds {self.num_blocks}; shorten the prompt or lower max_tokens"))
+        refusal = self._check_tenant(request, now) or self._check_retry(request, now)
+        if refusal is not None:
+            return refusal
+        if self.num_queued >= self.config.max_queue_len:
+            return _reject(429, QUEUE_FULL, 1, f"the waiting queue is full ({self.config.max_queue_len})")
+        return self._check_wait(request, now)
+
+    def _check_wait(self, request: AdmissionRequest, now: float) -> AdmissionDecision:
+        limit_s = self.max_wait_s(request.priority)
+        if request.deadline is not None:
+            limit_s = min(limit_s, request.deadline - now)
+        wait_s, binding = self.expected_wait_s(request)
+        cap = self.config.degrade_max_tokens
+        can_degrade = self.config.degrade_wait_s is not None and request.max_tokens > cap
+        if wait_s > limit_s:
+            if can_degrade:
+                capped_wait_s, _ = self.expected_wait_s(request, cap)
+                if capped_wait_s <= limit_s:
+                    return AdmissionDecision(DEGRADE, cap, expected_wait_s=capped_wait_s)
+            reason = DEADLINE if request.deadline is not None and limit_s < self.max_wait_s(request.priority) \
+                else binding
+            # Unbounded means nothing is measured yet: it will be within seconds.
+            retry_s = _whole_seconds(wait_s - limit_s) if math.isfinite(wait_s) else 1
+            return _reject(429, reason, retry_s,
+                           f"expected queue wait {_fmt_s(wait_s)} exceeds the limit of {limit_s:.2f} s "
+                           f"({binding.replace('_', ' ')})", wait_s)
+        if can_degrade and wait_s > self.config.degrade_wait_s:
+            return AdmissionDecision(DEGRADE, cap, expected_wait_s=wait_s)
+        return AdmissionDecision(ADMIT, request.max_tokens, expected_wait_s=wait_s)
+
+    def _check_tenant(self, request: AdmissionRequest, now: float) -> AdmissionDecision | None:
+        limits = self.tenant_limits.get(request.tenant)
+        if limits is None:
+            return None
+        if limits.max_concurrent is not None and self.num_inflight(request.tenant) >= limits.max_concurrent:
+            return _reject(429, TENANT_QUOTA, 1,
+                           f"tenant {request.tenant!r} has {limits.max_concurrent} requests in flight (its limit)")
+        if limits.tokens_per_minute is None:
+            return None
+        charge = request.num_prompt_tokens + request.max_tokens
+        if charge > limits.tokens_per_minute:
+            return _reject(400, NEVER_FITS, None,
+                           f"prompt + max_tokens = {charge} exceeds tenant {request.tenant!r}'s "
+                           f"{limits.tokens_per_minute} tokens per minute")
+        used = self._tpm_used(request.tenant, now)
+        if used + charge <= limits.tokens_per_minute:
+            return None
+        return _reject(429, TENANT_QUOTA, self._tpm_retry_after(request.tenant, charge, limits, now),
+                       f"tenant {request.tenant!r} is over its {limits.tokens_per_minute} tokens per minute")
+
+    def _check_retry(self, request: AdmissionRequest, now: float) -> AdmissionDecision | None:
+        if not request.is_retry or self._retry_tokens >= 1.0 - 1e-9:  # 10 x 0.1 is 0.999...
+            return None
+        rate = self._admissions.rate(now)
+        earn_s = (1.0 - self._retry_tokens) / (self.config.retry_budget * rate) \
+            if rate and self.config.retry_budget > 0 else 1.0
+        return _reject(429, RETRY_BUDGET, _whole_seconds(earn_s),
+                       "retries are over budget: a retry claims KV for its whole context again")
+
+    # ---- the ledger ------------------------------------------------------
+
+    def admit(self, request: AdmissionRequest, decision: AdmissionDecision) -> None:
+        """Record an admitted request (after `check` said admit or degrade)."""
+        if not decision.admitted:
+            raise ValueError(f"cannot admit a rejected request ({decision.reason})")
+        if request.request_id in self._tickets:
+            raise ValueError(f"request {request.request_id!r} is already admitted")
+        now = self.clock()
+        self._advance(now, busy=True)
+        max_tokens = decision.max_tokens or request.max_tokens
+        start_by, reason = now + self.config.queue_timeout_s, QUEUE_TIMEOUT
+        if request.deadline is not None and request.deadline < start_by:
+            start_by, reason = request.deadline, DEADLINE
+        self._tickets[request.request_id] = _Ticket(
+            request, max_tokens,
+            self.blocks_needed(request.num_prompt_tokens, max_tokens, request.num_cached_tokens),
+            start_by, reason, now, decision.expected_wait_s)
+        self._charge_tenant(request, max_tokens, now)
+        self._admissions.add(1.0)
+        if request.is_retry:
+            self._retry_tokens -= 1.0
+        else:
+            self._retry_tokens = min(self.config.retry_budget_burst,
+                                     self._retry_tokens + self.config.retry_budget)
+
+    def on_start(self, request_id: str) -> None:
+        """The engine scheduled it; the actual wait calibrates the prediction."""
+        ticket = self._tickets.get(request_id)
+        if ticket is None or ticket.started:
+            return
+        ticket.started = True
+        predicted_s = ticket.predicted_wait_s
+        if predicted_s is None or not math.isfinite(predicted_s):
+            return
+        actual_s = max(0.0, self.clock() - ticket.admitted_at)
+        w = CALIBRATION_WEIGHT
+        if predicted_s < SHORT_WAIT_S:
+            self._start_latency_s = (1 - w) * self._start_latency_s + w * actual_s
+        else:
+            ratio = min(MAX_WAIT_CORRECTION, max(1 / MAX_WAIT_CORRECTION, actual_s / predicted_s))
+            self._wait_ratio = (1 - w) * self._wait_ratio + w * ratio
+
+    def on_finish(self, request_id: str, num_tokens: int | None = None) -> None:
+        """Release a request. num_tokens (prompt + output actually held)
+        refunds the tenant's tokens-per-minute charge to what was used."""
+        ticket = self._tickets.pop(request_id, None)
+        if ticket is None:
+            return
+        now = self.clock()
+        self._advance(now, busy=bool(self._tickets))
+        if ticket.started:
+            self._drain_blocks.add(ticket.num_blocks)
+            self._drain_requests.add(1.0)
+        entry = self._tpm_entry.pop(request_id, None)
+        if entry is not None and num_tokens is not None:
+            entry[2] = min(entry[2], num_tokens)
+
+    def expired(self) -> list[tuple[str, str]]:
+        """(request_id, reason) of admitted requests not started in time; the
+        caller aborts them and calls on_finish."""
+        now = self.clock()
+        return [(rid, t.start_by_reason) for rid, t in self._tickets.items()
+                if not t.started and t.start_by is not None and now > t.start_by]
+
+    def observe_step(self, num_batched_tokens: int, step_s: float) -> None:
+        """Feed one measured engine step (for the running-batch cap)."""
+        if num_batched_tokens > 0 and step_s >= 0:
+            self.step_model.observe(num_batched_tokens, step_s)
+
+    def _advance(self, now: float, busy: bool) -> None:
+        for rate in (self._drain_blocks, self._drain_requests, self._admissions):
+            rate.advance(now, busy)
+
+    # ---- tenants ---------------------------------------------------------
+
+    def _charge_tenant(self, request: AdmissionRequest, max_tokens: int, now: float) -> None:
+        limits = self.tenant_limits.get(request.tenant)
+        if limits is None or limits.tokens_per_minute is None:
+            return
+        entry = [now, request.request_id, request.num_prompt_tokens + max_tokens]
+        self._tpm.setdefault(request.tenant, deque()).append(entry)
+        self._tpm_entry[request.request_id] = entry
+
+    def _tpm_used(self, tenant: str, now: float) -> int:
+        window = self._tpm.get(tenant)
+        if not window:
+            return 0
+        while window and window[0][0] <= now - TPM_WINDOW_S:
+            window.popleft()
+        return sum(entry[2] for entry in window)
+
+    def _tpm_retry_after(self, tenant: str, charge: int, limits: TenantLimits, now: float) -> int:
+        """Seconds until enough of the window expires to fit `charge`."""
+        used = self._tpm_used(tenant, now)
+        for time, _, tokens in self._tpm.get(tenant, ()):
+            used -= tokens
+            if used + charge <= limits.tokens_per_minute:
+                return _whole_seconds(time + TPM_WINDOW_S - now)
+        return int(TPM_WINDOW_S)
+
+
+def _reject(status: int, reason: str, retry_after_s: int | None, message: str,
+            expected_wait_s: float | None = None) -> AdmissionDecision:
+    return AdmissionDecision(REJECT, None, status, reason, retry_after_s, expected_wait_s, message)
+
+
+def _wait_for(excess: float, rate: float | None, cold_allowance: float) -> float:
+    """Seconds to drain `excess` at `rate`; with no rate yet, zero within the
+    allowance and unbounded beyond it."""
+    if excess <= 0:
+        return 0.0
+    if rate is None:
+        return 0.0 if excess <= cold_allowance else math.inf
+    return excess / rate if rate > 0 else math.inf
+
+
+def _whole_seconds(seconds: float) -> int:
+    """Retry-After is whole seconds, at least 1."""
+    return max(1, math.ceil(seconds)) if math.isfinite(seconds) else 60
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds:.2f} s" if math.isfinite(seconds) else "unbounded (no measured drain)"

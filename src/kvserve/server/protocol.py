@@ -1,0 +1,262 @@
+"""The OpenAI wire format: request models (pydantic, only at this boundary),
+their translation to SamplingParams, and the response / SSE chunk shapes.
+
+Unknown fields are accepted and ignored, as OpenAI's own server and vLLM do,
+so clients that send newer fields keep working; fields we cannot honour
+(n > 1, echo, best_of, tools, logit_bias, penalties) are refused with 400
+rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvserve.contract import InvalidParameter, SamplingParams
+
+# Priority classes: lower = more urgent; OpenAI's "flex" tier is a deferred
+# lane one class below the request's own priority.
+FLEX_PRIORITY_OFFSET = 1
+MAX_TEMPERATURE = 100.0
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool | None = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, description="Most tokens to generate.")
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    # vLLM extensions that benchmark clients send.
+    top_k: int | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    priority: int | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def requested_max_tokens(body: _SamplingFields) -> int | None:
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        return body.max_completion_tokens
+    return body.max_tokens
+
+
+def refuse_unsupported(body: _SamplingFields) -> None:
+    """400 for fields we would otherwise silently not honour."""
+    _require(body.n in (None, 1), "n", "only n=1 is supported")
+    _require(not body.logit_bias, "logit_bias", "is not supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        _require(getattr(body, name) in (None, 0, 0.0), name, "is not supported (must be 0)")
+    _require(body.service_tier in (None, "auto", "default", "flex"), "service_tier",
+             "must be one of 'auto', 'default', 'flex'")
+    if isinstance(body, CompletionRequest):
+        _require(not body.echo, "echo", "is not supported")
+        _require(body.best_of in (None, 1), "best_of", "only best_of=1 is supported")
+        _require(body.suffix in (None, ""), "suffix", "is not supported")
+    else:
+        _require(not body.tools, "tools", "tool calling is not supported")
+        fmt = (body.response_format or {}).get("type", "text")
+        _require(fmt == "text", "response_format", "only type 'text' is supported")
+
+
+def sampling_params(body: _SamplingFields, max_tokens: int, vocab_size: int) -> SamplingParams:
+    """SamplingParams from the body; InvalidParameter names a bad field."""
+    temperature = 1.0 if body.temperature is None else body.temperature
+    _require(math.isfinite(temperature) and temperature <= MAX_TEMPERATURE, "temperature",
+             f"must be a finite number in [0, {MAX_TEMPERATURE:g}]")
+    top_k = 0 if body.top_k in (None, -1) else body.top_k  # vLLM: -1 disables top-k
+    _require(top_k >= 0, "top_k", "must be >= 0, or -1 to disable")
+    stop_token_ids = tuple(body.stop_token_ids or ())
+    _require(all(0 <= t < vocab_size for t in stop_token_ids), "stop_token_ids",
+             f"must be token ids in [0, {vocab_size})")
+    _require(body.seed is None or -2**63 <= body.seed < 2**64, "seed", "must fit in 64 bits")
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=min(top_k, vocab_size), seed=body.seed,
+        stop=body.stop or (), stop_token_ids=stop_token_ids,
+        ignore_eos=bool(body.ignore_eos), min_tokens=body.min_tokens or 0,
+        logprobs=_num_logprobs(body))
+
+
+def _num_logprobs(body: _SamplingFields) -> int | None:
+    if isinstance(body, CompletionRequest):
+        return body.logprobs
+    if not body.logprobs:
+        _require(body.top_logprobs in (None, 0), "top_logprobs", "requires logprobs=true")
+        return None
+    return body.top_logprobs or 0
+
+
+def priority_of(body: _SamplingFields, tenant_priority: int | None) -> int:
+    """Body priority (lower = more urgent), never more urgent than the
+    tenant's floor; service_tier "flex" defers it one class."""
+    priority = body.priority if body.priority is not None else (tenant_priority or 0)
+    if tenant_priority is not None:
+        priority = max(priority, tenant_priority)
+    if body.service_tier == "flex":
+        priority += FLEX_PRIORITY_OFFSET
+    return priority
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict]:
+    """Messages as plain dicts for the chat template; text parts joined."""
+    out = []
+    for i, message in enumerate(body.messages):
+        content = message.content
+        if isinstance(content, list):
+            _require(all(p.type == "text" and p.text is not None for p in content),
+                     f"messages[{i}].content", "only text parts are supported")
+            content = "".join(p.text for p in content)
+        out.append({"role": message.role, "content": content or ""})
+    return out
+
+
+def _require(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidParameter(param, message)
+
+
+# ---- responses -------------------------------------------------------------
+
+def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "code": code, "param": param}}
+
+
+def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
+            "total_tokens": num_prompt_tokens + num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+
+
+class ResponseShape:
+    """Builds the JSON of one request's response or stream chunks."""
+
+    def __init__(self, kind: Literal["completion", "chat"], request_id: str, model: str,
+                 fingerprint: str, token_text) -> None:
+        self.kind = kind
+        self.id = request_id
+        self.model = model
+        self.fingerprint = fingerprint
+        self.created = int(time.time())
+        self._token_text = token_text  # token id -> its text, for logprobs
+
+    def _envelope(self, obj: str, choices: list) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint, "choices": choices}
+
+    def full(self, text: str, finish_reason: str | None, logprobs: list | None, usage_: dict) -> dict:
+        if self.kind == "completion":
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs),
+                      "finish_reason": finish_reason}
+            body = self._envelope("text_completion", [choice])
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+            body = self._envelope("chat.completion", [choice])
+        body["usage"] = usage_
+        return body
+
+    def chunk(self, text: str | None, finish_reason: str | None, logprobs: list | None,
+              first: bool = False, with_usage_field: bool = False) -> str:
+        if self.kind == "completion":
+            choice = {"index": 0, "text": text or "", "logprobs": self.logprobs(logprobs),
+                      "finish_reason": finish_reason}
+            body = self._envelope("text_completion", [choice])
+        else:
+            delta: dict = {} if text is None else {"content": text}
+            if first:
+                delta = {"role": "assistant", "content": text or ""}
+            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs),
+                      "finish_reason": finish_reason}
+            body = self._envelope("chat.completion.chunk", [choice])
+        if with_usage_field:
+            body["usage"] = None
+        return sse(body)
+
+    def usage_chunk(self, usage_: dict) -> str:
+        obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+        body = self._envelope(obj, [])
+        body["usage"] = usage_
+        return sse(body)
+
+    def logprobs(self, items: list | None) -> dict | None:
+        """OpenAI logprobs of the given TokenLogprob items, None when not asked."""
+        if items is None:
+            return None
+        text = self._token_text
+        if self.kind == "chat":
+            return {"content": [{
+                "token": text(lp.token_id), "logprob": lp.logprob,
+                "bytes": list(text(lp.token_id).encode()),
+                "top_logprobs": [{"token": text(t), "logprob": v, "bytes": list(text(t).encode())}
+                                 for t, v in lp.top]} for lp in items]}
+        return {"tokens": [text(lp.token_id) for lp in items],
+                "token_logprobs": [lp.logprob for lp in items],
+                "top_logprobs": [{text(t): v for t, v in lp.top} for lp in items],
+                "text_offset": _offsets([text(lp.token_id) for lp in items])}
+
+
+def _offsets(tokens: list[str]) -> list[int]:
+    out, pos = [], 0
+    for tok in tokens:
+        out.append(pos)
+        pos += len(tok)
+    return out
+
+
+def sse(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,73 @@
+"""HTTP routes: thin; each hands its validated body to `Serving`."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvserve.metrics import CONTENT_TYPE_LATEST
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.serving import APIError, Serving
+
+router = APIRouter()
+_ERRORS = {
+    400: {"description": "Bad input (OpenAI error body)"},
+    401: {"description": "Invalid API key"},
+    404: {"description": "Unknown model"},
+    413: {"description": "Body too large"},
+    429: {"description": "Overloaded or over quota; see Retry-After"},
+    503: {"description": "Not ready, shutting down, or queue timeout"},
+}
+
+
+def _serving(request: Request) -> Serving:
+    return request.app.state.serving
+
+
+@router.post("/v1/completions", responses=_ERRORS)
+async def completions(body: CompletionRequest, request: Request,
+                      authorization: str | None = Header(default=None)):
+    serving = _serving(request)
+    tenant = serving.authenticate(authorization)
+    return await serving.create("completion", body, tenant, request.headers, request)
+
+
+@router.post("/v1/chat/completions", responses=_ERRORS)
+async def chat_completions(body: ChatCompletionRequest, request: Request,
+                           authorization: str | None = Header(default=None)):
+    serving = _serving(request)
+    tenant = serving.authenticate(authorization)
+    return await serving.create("chat", body, tenant, request.headers, request)
+
+
+@router.get("/v1/models")
+async def models(request: Request, authorization: str | None = Header(default=None)):
+    serving = _serving(request)
+    serving.authenticate(authorization)
+    card = {"id": serving.model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "kvserve", "max_model_len": serving.max_model_len,
+            "root": serving.versions.model_revision}
+    return JSONResponse({"object": "list", "data": [card]}, headers=serving.version_headers())
+
+
+@router.get("/health")
+async def health(request: Request):
+    serving = _serving(request)
+    if serving.engine.dead is not None:
+        raise APIError(503, f"engine failed: {serving.engine.dead}", "unavailable", "engine_dead")
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(request: Request):
+    serving = _serving(request)
+    if not serving.ready:
+        raise APIError(503, "not ready (starting, shutting down or engine failed)", "unavailable", "not_ready")
+    return {"status": "ready"}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    return Response(_serving(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,436 @@
+"""The bridge from HTTP to the engine: validate and tokenize, ask admission,
+hand the request to the async engine, and turn its stream into a JSON body
+or SSE chunks.
+
+Headers are sent only after the request is admitted and has produced its
+first token, so a refused, timed-out or failed request always gets an honest
+status code, streaming or not. Every response carries the versions that ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvserve.config import AdmissionConfig, ServerConfig
+from kvserve.contract import InvalidParameter, Request, ResolvedVersions
+from kvserve.engine.async_engine import AsyncEngine, Finished, RequestStream, StepReport
+from kvserve.metrics import ServerMetrics
+from kvserve.scheduler.admission import AdmissionController, AdmissionRequest
+from kvserve.server import protocol
+from kvserve.server.tenants import Tenant, TenantDirectory
+
+log = logging.getLogger(__name__)
+
+WATCHDOG_PERIOD_S = 0.1
+# Rejection reasons that mean "the system is full" vs "you are over your share".
+RATE_LIMITED_REASONS = {"tenant_quota"}
+CLIENT_ABORTS = {"disconnect", "stalled"}
+
+
+class APIError(Exception):
+    """An OpenAI-shaped error with an honest status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(protocol.error_body(self.message, self.type, self.code, self.param),
+                            status_code=self.status, headers=self.headers)
+
+
+def bad_request(exc: InvalidParameter) -> APIError:
+    return APIError(400, str(exc), param=exc.param)
+
+
+@dataclass
+class _Context:
+    num_prompt_tokens: int
+
+
+@dataclass
+class _Prepared:
+    """A validated request before admission."""
+
+    kind: str
+    request_id: str
+    prompt_token_ids: list[int]
+    params: object  # SamplingParams
+    max_tokens_defaulted: bool
+    arrival: float
+    priority: int
+    tenant: Tenant
+    is_retry: bool
+    deadline: float | None
+    stream: bool
+    include_usage: bool
+
+
+class Serving:
+    """Owns the async engine, admission controller, metrics and tenants."""
+
+    def __init__(self, core, admission_config: AdmissionConfig, server_config: ServerConfig,
+                 tenants: TenantDirectory | None = None, clock: Callable[[], float] = time.monotonic,
+                 versions: ResolvedVersions | None = None) -> None:
+        self.core = core
+        self.config = server_config
+        self.admission_config = admission_config
+        self.tenants = tenants or TenantDirectory()
+        self.clock = clock
+        self.tokenizer = core.tokenizer
+        self.versions = versions or getattr(core, "versions", None)
+        if self.versions is None:
+            raise ValueError("Serving needs the resolved versions (pass versions=, e.g. LoadedModel.versions)")
+        self.vocab_size = core.model_config.vocab_size
+        self.model_name = server_config.served_model_name
+        self.max_model_len = core.max_model_len
+        kv = core.scheduler.kv_cache
+        self.admission = AdmissionController(admission_config, kv.num_blocks, kv.block_size,
+                                             core.scheduler.config.max_num_seqs, clock, self.tenants.limits())
+        self.metrics = ServerMetrics(self.model_name, admission_config.ttft_slo_s, admission_config.tpot_slo_s)
+        self.engine = AsyncEngine(core, on_step=self._on_step)
+        self._contexts: dict[str, _Context] = {}
+        self._running_cap = core.scheduler.config.max_num_seqs
+        self._watchdog: asyncio.Task | None = None
+        self.started = False
+        self.draining = False
+
+    # ---- lifecycle ---------------------------------------------------------
+
+    async def start(self) -> None:
+        self.engine.start()
+        self._watchdog = asyncio.create_task(self._watch())
+        self.started = True
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop admitting; let in-flight requests finish for up to grace_s,
+        then abort the rest (503 / finish_reason "abort")."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.engine.num_streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(self.engine.streams):
+            self.engine.abort(rid, "shutdown")
+        flush_deadline = time.monotonic() + 2.0
+        while self.engine.num_streams and time.monotonic() < flush_deadline:
+            await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        await self.engine.stop()
+
+    @property
+    def ready(self) -> bool:
+        return self.started and not self.draining and self.engine.dead is None
+
+    async def _watch(self) -> None:
+        """Abort requests that did not start in time and readers that stall."""
+        while True:
+            await asyncio.sleep(WATCHDOG_PERIOD_S)
+            try:
+                for rid, reason in self.admission.expired():
+                    self.engine.abort(rid, reason)
+                for rid in self.engine.stalled(time.monotonic(), self.config.stream_stall_timeout_s):
+                    self.engine.abort(rid, "stalled")
+            except Exception:
+                log.exception("watchdog failed")
+
+    # ---- engine events (event loop thread) --------------------------------
+
+    def _on_step(self, report: StepReport) -> None:
+        for rid in report.started_ids:
+            self.admission.on_start(rid)
+        for done in report.finished:
+            self._on_finished(done)
+        if report.num_batched_tokens:
+            self.admission.observe_step(report.num_batched_tokens, report.step_s)
+        if report.stats is not None:
+            s = report.stats
+            self.metrics.record_stats(s.num_running, s.num_waiting, s.kv_usage, s.num_preemptions,
+                                      s.prefix_cache_queries, s.prefix_cache_hits)
+        cap = self.admission.running_cap()
+        if cap != self._running_cap:
+            self._running_cap = cap
+            self.engine.set_max_running(cap)
+        self.metrics.running_cap.set(cap)
+
+    def _on_finished(self, done: Finished) -> None:
+        context = self._contexts.pop(done.request_id, None)
+        num_prompt = context.num_prompt_tokens if context else 0
+        self.admission.on_finish(done.request_id, num_prompt + done.num_output_tokens)
+        if done.abort_reason in CLIENT_ABORTS:
+            self.metrics.record_cancellation(done.abort_reason)
+        if done.error is None and context is not None:
+            self.metrics.record_finished(done.timestamps, num_prompt, done.num_output_tokens,
+                                         done.finish_reason)
+
+    # ---- requests ----------------------------------------------------------
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        tenant = self.tenants.authenticate(authorization)
+        if tenant is None:
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           "authentication_error", "invalid_api_key")
+        return tenant
+
+    async def create(self, kind: str, body, tenant: Tenant, headers, http_request):
+        """Serve one /v1/completions or /v1/chat/completions request."""
+        self._refuse_if_unavailable()
+        prepared = self._prepare(kind, body, tenant, headers)
+        decision, admitted_params = self._admit(prepared)
+        response_headers = self._headers(prepared, decision, admitted_params)
+        request = Request(prepared.request_id, prepared.prompt_token_ids, admitted_params,
+                          arrival_time=prepared.arrival, eos_token_id=self.tokenizer.eos_token_id,
+                          priority=prepared.priority, tenant=tenant.name, deadline=prepared.deadline,
+                          cache_namespace=self._namespace(tenant))
+        self._contexts[request.request_id] = _Context(len(prepared.prompt_token_ids))
+        stream = self.engine.add(request)
+        shape = protocol.ResponseShape(kind, prepared.request_id, self.model_name,
+                                       self.versions.fingerprint, self.tokenizer.token_text)
+        watcher = asyncio.create_task(self._abort_on_disconnect(http_request, prepared.request_id))
+        try:
+            first = await stream.next()
+        except BaseException:
+            watcher.cancel()
+            self.engine.abort(prepared.request_id, "disconnect")
+            raise
+        if isinstance(first, Finished) and first.num_output_tokens == 0:
+            watcher.cancel()
+            raise self._ended_without_output(first)
+        if prepared.stream:
+            watcher.cancel()
+            events = self._sse(shape, stream, first, prepared)
+            return StreamingResponse(events, media_type="text/event-stream", headers=response_headers)
+        try:
+            body_json = await self._collect(shape, stream, first, prepared)
+        finally:
+            watcher.cancel()
+        return JSONResponse(body_json, headers=response_headers)
+
+    def _refuse_if_unavailable(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "unavailable", "shutting_down")
+        if self.engine.dead is not None:
+            raise APIError(503, f"the engine failed: {self.engine.dead}", "unavailable", "engine_dead")
+
+    def _prepare(self, kind: str, body, tenant: Tenant, headers) -> _Prepared:
+        arrival = self.clock()
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", "invalid_request_error", "model_not_found", "model")
+        try:
+            protocol.refuse_unsupported(body)
+            prompt = self._prompt_token_ids(kind, body)
+            max_tokens, defaulted = self._max_tokens(body, len(prompt))
+            params = protocol.sampling_params(body, max_tokens, self.vocab_size)
+        except InvalidParameter as exc:
+            raise bad_request(exc) from None
+        deadline = self._deadline(headers, arrival)
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _Prepared(kind, f"{prefix}-{uuid.uuid4().hex}", prompt, params, defaulted, arrival,
+                         protocol.priority_of(body, tenant.priority), tenant, _is_retry(headers),
+                         deadline, bool(body.stream), include_usage)
+
+    def _prompt_token_ids(self, kind: str, body) -> list[int]:
+        if kind == "chat":
+            try:
+                text = self.tokenizer.apply_chat_template(protocol.chat_messages(body))
+            except ValueError as exc:
+                raise InvalidParameter("messages", str(exc)) from None
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = self._completion_prompt(body.prompt)
+        if not ids:
+            raise InvalidParameter("prompt" if kind == "completion" else "messages",
+                                   "must contain at least one token")
+        return ids
+
+    def _completion_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise InvalidParameter("prompt", "batched prompts are not supported; send one prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidParameter("prompt", "must not be empty")
+            return self.tokenizer.encode(prompt)
+        vocab = self.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise InvalidParameter("prompt", f"token ids must be integers in [0, {vocab})")
+        return list(prompt)
+
+    def _max_tokens(self, body, num_prompt_tokens: int) -> tuple[int, bool]:
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise InvalidParameter("prompt", f"has {num_prompt_tokens} tokens; this model's context is "
+                                             f"{self.max_model_len} tokens including the output")
+        requested = protocol.requested_max_tokens(body)
+        if requested is None:
+            if self.admission_config.require_max_tokens:
+                raise InvalidParameter("max_tokens", "is required by this server (strict mode)")
+            return min(self.admission_config.default_max_tokens, room), True
+        if requested < 1:
+            raise InvalidParameter("max_tokens", f"must be >= 1, got {requested}")
+        if requested > room:
+            raise InvalidParameter("max_tokens", f"prompt ({num_prompt_tokens} tokens) + max_tokens "
+                                                 f"({requested}) exceeds the context of {self.max_model_len}")
+        return requested, False
+
+    def _deadline(self, headers, arrival: float) -> float | None:
+        raw = headers.get("x-kvserve-deadline-s")
+        if raw is None:
+            return None
+        try:
+            seconds = float(raw)
+        except ValueError:
+            seconds = -1.0
+        if not (0 < seconds < 1e6):
+            raise APIError(400, "x-kvserve-deadline-s must be a number of seconds in (0, 1e6)",
+                           param="x-kvserve-deadline-s")
+        return arrival + seconds
+
+    def _admit(self, p: _Prepared):
+        cached = self._cached_tokens(p)
+        request = AdmissionRequest(p.request_id, len(p.prompt_token_ids), p.params.max_tokens, cached,
+                                   p.priority, p.tenant.name, p.is_retry, p.deadline)
+        decision = self.admission.check(request)
+        self.metrics.record_admission(decision.outcome, decision.reason)
+        if not decision.admitted:
+            raise _rejection(decision)
+        self.admission.admit(request, decision)
+        params = p.params
+        if decision.max_tokens is not None and decision.max_tokens < params.max_tokens:
+            params = replace(params, max_tokens=decision.max_tokens,
+                             min_tokens=min(params.min_tokens, decision.max_tokens))
+        return decision, params
+
+    def _cached_tokens(self, p: _Prepared) -> int:
+        # Read from the event loop while the engine thread may change the
+        # cache: a lookup is a few dict reads, and a stale answer only makes
+        # the projection slightly off, so no lock is taken.
+        try:
+            return self.core.scheduler.kv_cache.count_cached_tokens(p.prompt_token_ids,
+                                                                     self._namespace(p.tenant))
+        except Exception:
+            return 0
+
+    def _namespace(self, tenant: Tenant) -> str:
+        # Tenants never share cached KV: a prefix hit would reveal another
+        # tenant's prompt through timing.
+        return f"{self.versions.model_revision}:{tenant.name}"
+
+    def _headers(self, p: _Prepared, decision, params) -> dict[str, str]:
+        headers = self.version_headers()
+        headers["x-request-id"] = p.request_id
+        if p.max_tokens_defaulted:
+            headers["x-kvserve-max-tokens"] = str(params.max_tokens)
+        if decision.outcome == "degrade":
+            headers["x-kvserve-degraded"] = f"max_tokens={params.max_tokens}"
+        return headers
+
+    def version_headers(self) -> dict[str, str]:
+        v = self.versions
+        return {"x-kvserve-model-revision": v.model_revision, "x-kvserve-tokenizer-hash": v.tokenizer_hash,
+                "x-kvserve-chat-template-hash": v.chat_template_hash}
+
+    def _ended_without_output(self, done: Finished) -> APIError:
+        if done.error is not None:
+            return APIError(400, done.error, code="engine_refused")
+        reason = done.abort_reason or "abort"
+        messages = {"queue_timeout": "the request waited too long in the queue and did not start",
+                    "deadline": "the request could not start before its deadline",
+                    "shutdown": "the server is shutting down"}
+        return APIError(503, messages.get(reason, f"the request was aborted ({reason})"),
+                        "unavailable", reason)
+
+    async def _abort_on_disconnect(self, http_request, request_id: str) -> None:
+        """Wait for the client to go away, then abort its request."""
+        if http_request is None:
+            return
+        while True:
+            message = await http_request.receive()
+            if message["type"] == "http.disconnect":
+                self.engine.abort(request_id, "disconnect")
+                return
+
+    # ---- response bodies ---------------------------------------------------
+
+    async def _collect(self, shape, stream: RequestStream, first, p: _Prepared) -> dict:
+        last, logprobs = None, [] if p.params.logprobs is not None else None
+        item = first
+        while not isinstance(item, Finished):
+            last = item
+            if logprobs is not None:
+                logprobs.extend(_new_logprobs(item))
+            item = await stream.next()
+        text = last.text if last is not None else ""
+        num_out = len(last.token_ids) if last is not None else 0
+        reason = item.finish_reason
+        return shape.full(text, reason, logprobs,
+                          protocol.usage(len(p.prompt_token_ids), num_out, _cached(last)))
+
+    async def _sse(self, shape, stream: RequestStream, first, p: _Prepared) -> AsyncIterator[str]:
+        item, last, is_first = first, None, True
+        try:
+            while not isinstance(item, Finished):
+                lp = _new_logprobs(item) if p.params.logprobs is not None else None
+                finish = item.finish_reason if item.finished else None
+                if item.new_text or finish or is_first or lp:
+                    yield shape.chunk(item.new_text, finish, lp, first=is_first,
+                                      with_usage_field=p.include_usage)
+                    is_first = False
+                last = item
+                item = await stream.next()
+            if last is None or not last.finished:  # aborted mid-stream: say so
+                yield shape.chunk(None, item.finish_reason, None, with_usage_field=p.include_usage)
+            if p.include_usage:
+                num_out = len(last.token_ids) if last is not None else 0
+                yield shape.usage_chunk(protocol.usage(len(p.prompt_token_ids), num_out, _cached(last)))
+            yield protocol.SSE_DONE
+        finally:
+            if stream.finished is None:  # the client left (generator closed) before the end
+                self.engine.abort(p.request_id, "disconnect")
+
+
+def _new_logprobs(output) -> list:
+    return list(getattr(output, "new_logprobs", None) or output.logprobs or [])
+
+
+def _cached(output) -> int:
+    return int(getattr(output, "num_cached_tokens", 0) or 0) if output is not None else 0
+
+
+def _is_retry(headers) -> bool:
+    for name in ("x-stainless-retry-count", "x-kvserve-retry"):
+        raw = (headers.get(name) or "").strip().lower()
+        if raw in ("true", "yes"):
+            return True
+        try:
+            if int(raw) > 0:
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def _rejection(decision) -> APIError:
+    headers = {}
+    if decision.retry_after_s is not None:
+        headers["Retry-After"] = str(decision.retry_after_s)
+    if decision.status == 400:
+        type_ = "invalid_request_error"
+    else:
+        type_ = "rate_limited" if decision.reason in RATE_LIMITED_REASONS else "overloaded"
+    return APIError(decision.status, decision.message, type_, decision.reason, None, headers)

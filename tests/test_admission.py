@@ -1,0 +1,250 @@
+"""AdmissionController: pure Python, driven by a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.config import AdmissionConfig
+from kvserve.scheduler.admission import (
+    ADMIT, DEGRADE, REJECT, AdmissionController, AdmissionRequest, BusyRate, TenantLimits,
+)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(num_blocks=100, block_size=16, max_num_seqs=64, tenants=None, **config):
+    clock = FakeClock()
+    ctl = AdmissionController(AdmissionConfig(**config), num_blocks, block_size, max_num_seqs,
+                              clock, tenants)
+    return ctl, clock
+
+
+_ids = iter(range(10**9))
+
+
+def req(prompt=16, max_tokens=16, **kw):
+    return AdmissionRequest(f"r{next(_ids)}", prompt, max_tokens, **kw)
+
+
+def admit(ctl, request):
+    decision = ctl.check(request)
+    assert decision.admitted, decision
+    ctl.admit(request, decision)
+    return decision
+
+
+def test_never_fits_is_400_and_prefix_hit_counts():
+    ctl, _ = make(num_blocks=4, block_size=16)
+    too_big = ctl.check(req(prompt=60, max_tokens=10))
+    assert (too_big.outcome, too_big.status, too_big.reason) == (REJECT, 400, "never_fits")
+    assert too_big.retry_after_s is None
+    # The same request with most of its prompt already cached fits.
+    assert ctl.check(req(prompt=60, max_tokens=10, num_cached_tokens=16)).admitted
+
+
+def test_cold_start_allows_one_cache_of_queue_then_refuses_with_retry_after():
+    ctl, _ = make(num_blocks=10, block_size=16)
+    decisions = []
+    for _ in range(30):
+        r = req(prompt=16, max_tokens=16)  # 2 blocks each
+        d = ctl.check(r)
+        decisions.append(d)
+        if d.admitted:
+            ctl.admit(r, d)
+    admitted = [d for d in decisions if d.admitted]
+    rejected = [d for d in decisions if not d.admitted]
+    assert len(admitted) == 10  # 5 fit now + one more cache (5) may queue
+    assert rejected and all(d.status == 429 and d.reason == "kv_cache" for d in rejected)
+    assert all(isinstance(d.retry_after_s, int) and d.retry_after_s >= 1 for d in rejected)
+
+
+def _run_drain(ctl, clock, finish_every_s, n=20):
+    """Admit and start n requests, finishing one every `finish_every_s`."""
+    rids = []
+    for _ in range(n):
+        r = req(prompt=16, max_tokens=16)
+        d = ctl.check(r)
+        if d.admitted:
+            ctl.admit(r, d)
+            ctl.on_start(r.request_id)
+            rids.append(r.request_id)
+    for rid in rids[: len(rids) // 2]:
+        clock.now += finish_every_s
+        ctl.on_finish(rid, 20)
+
+
+def test_measured_drain_rate_decides_the_wait():
+    fast, fast_clock = make(num_blocks=10, max_queue_wait_s=1.0)
+    slow, slow_clock = make(num_blocks=10, max_queue_wait_s=1.0)
+    _run_drain(fast, fast_clock, finish_every_s=0.05)
+    _run_drain(slow, slow_clock, finish_every_s=2.0)
+    assert fast.expected_wait_s(req())[0] < slow.expected_wait_s(req())[0]
+    # The same queue ahead: the fast drain admits, the slow one refuses.
+    assert fast.check(req()).outcome == ADMIT
+    slow_out = slow.check(req())
+    assert slow_out.outcome == REJECT and slow_out.reason == "kv_cache" and slow_out.retry_after_s >= 1
+
+
+def test_idle_time_does_not_decay_the_drain_rate():
+    rate = BusyRate(tau_s=5.0)
+    rate.advance(0.0, busy=True)
+    for t in range(1, 11):
+        rate.advance(float(t), busy=True)
+        rate.add(2.0)
+    busy_rate = rate.rate(10.0)
+    assert busy_rate == pytest.approx(2.0, rel=0.15)
+    rate.advance(10.0, busy=False)
+    assert rate.rate(1000.0) == pytest.approx(busy_rate)
+
+
+def test_bounded_queue_gives_queue_full():
+    ctl, _ = make(num_blocks=1000, max_queue_len=3)
+    for _ in range(3):
+        admit(ctl, req())
+    d = ctl.check(req())
+    assert (d.status, d.reason) == (429, "queue_full") and d.retry_after_s >= 1
+
+
+def test_urgent_class_skips_queued_deferred_work():
+    ctl, _ = make(num_blocks=10, block_size=16, max_queue_wait_s=1.0)
+    for _ in range(10):  # fill the cache and the cold queue allowance with deferred work
+        admit(ctl, req(priority=1))
+    assert ctl.check(req(priority=1)).outcome == REJECT
+    assert ctl.check(req(priority=0)).outcome == ADMIT
+
+
+def test_tenant_concurrency_quota():
+    ctl, _ = make(num_blocks=1000, tenants={"a": TenantLimits(max_concurrent=2)})
+    first, second = req(tenant="a"), req(tenant="a")
+    admit(ctl, first)
+    admit(ctl, second)
+    d = ctl.check(req(tenant="a"))
+    assert (d.status, d.reason) == (429, "tenant_quota") and d.retry_after_s >= 1
+    assert ctl.check(req(tenant="b")).admitted  # other tenants unaffected
+    ctl.on_finish(first.request_id, 10)
+    assert ctl.check(req(tenant="a")).admitted
+
+
+def test_tenant_tokens_per_minute_refunds_to_actual_and_expires():
+    ctl, clock = make(num_blocks=1000, tenants={"a": TenantLimits(tokens_per_minute=100)})
+    big = req(tenant="a", prompt=10, max_tokens=60)  # charged 70
+    admit(ctl, big)
+    d = ctl.check(req(tenant="a", prompt=10, max_tokens=30))  # 40 more: 110 > 100
+    assert (d.status, d.reason) == (429, "tenant_quota")
+    assert 1 <= d.retry_after_s <= 60
+    ctl.on_finish(big.request_id, num_tokens=15)  # used only 15
+    assert ctl.check(req(tenant="a", prompt=10, max_tokens=30)).admitted
+    never = ctl.check(req(tenant="a", prompt=50, max_tokens=60))
+    assert (never.status, never.reason) == (400, "never_fits")
+    clock.now += 61
+    assert ctl.check(req(tenant="a", prompt=10, max_tokens=80)).admitted
+
+
+def test_retry_budget_is_a_fraction_of_admissions():
+    ctl, _ = make(num_blocks=10**6, max_queue_len=10**6, retry_budget=0.1, retry_budget_burst=2)
+    admit(ctl, req(is_retry=True))
+    admit(ctl, req(is_retry=True))
+    d = ctl.check(req(is_retry=True))
+    assert (d.status, d.reason) == (429, "retry_budget") and d.retry_after_s >= 1
+    for _ in range(10):
+        admit(ctl, req())
+    admit(ctl, req(is_retry=True))
+    assert ctl.check(req(is_retry=True)).reason == "retry_budget"
+
+
+def test_degrade_caps_max_tokens_instead_of_refusing():
+    ctl, _ = make(num_blocks=10, block_size=16, degrade_wait_s=0.5, degrade_max_tokens=16)
+    for _ in range(9):
+        admit(ctl, req(prompt=16, max_tokens=16))  # 18 of 20 allowed cold blocks
+    long = req(prompt=16, max_tokens=64)  # 5 blocks would not fit, 2 blocks do
+    d = ctl.check(long)
+    assert d.outcome == DEGRADE and d.max_tokens == 16
+    ctl.admit(long, d)
+    no_degrade, _ = make(num_blocks=10, block_size=16)
+    for _ in range(9):
+        admit(no_degrade, req(prompt=16, max_tokens=16))
+    assert no_degrade.check(req(prompt=16, max_tokens=64)).outcome == REJECT
+
+
+def test_queue_timeout_and_deadline_expire_unstarted_requests():
+    ctl, clock = make(num_blocks=1000, queue_timeout_s=5.0)
+    waiting = req()
+    started = req()
+    urgent = req(deadline=clock.now + 1.0)
+    for r in (waiting, started, urgent):
+        admit(ctl, r)
+    ctl.on_start(started.request_id)
+    clock.now += 2.0
+    assert ctl.expired() == [(urgent.request_id, "deadline")]
+    clock.now += 4.0
+    assert sorted(ctl.expired()) == sorted([(waiting.request_id, "queue_timeout"),
+                                            (urgent.request_id, "deadline")])
+
+
+def test_deadline_shorter_than_expected_wait_is_refused_at_the_door():
+    ctl, clock = make(num_blocks=10, block_size=16, max_queue_wait_s=100.0)
+    _run_drain(ctl, clock, finish_every_s=1.0)
+    wait_s, _ = ctl.expected_wait_s(req())
+    assert wait_s > 0.5
+    d = ctl.check(req(deadline=clock.now + wait_s / 2))
+    assert (d.status, d.reason) == (429, "deadline")
+
+
+def test_running_cap_follows_measured_step_time():
+    ctl, _ = make(num_blocks=1000, max_num_seqs=256, tpot_slo_s=0.1)
+    assert ctl.running_cap() == 256  # nothing measured: no cap beyond the config
+    for tokens in (1, 8, 16, 32, 64, 128, 200) * 5:
+        ctl.observe_step(tokens, 0.01 + 0.001 * tokens)  # 0.1 s at 90 tokens
+    cap = ctl.running_cap()
+    assert 60 <= cap <= 90
+    cheap, _ = make(num_blocks=1000, max_num_seqs=256, tpot_slo_s=0.1)
+    for tokens in (1, 8, 16, 32, 64, 128, 200) * 5:
+        cheap.observe_step(tokens, 0.001 + 0.00001 * tokens)
+    assert cheap.running_cap() == 256
+
+
+def test_rejected_decision_cannot_be_admitted():
+    ctl, _ = make(num_blocks=1)
+    r = req(prompt=100)
+    with pytest.raises(ValueError):
+        ctl.admit(r, ctl.check(r))
+
+
+def test_a_flooding_tenant_does_not_lengthen_another_tenants_wait():
+    ctl, clock = make(num_blocks=10, block_size=16, max_queue_wait_s=1.0)
+    _run_drain(ctl, clock, finish_every_s=0.2)  # measured drain, 5 running
+    flood = 0
+    while ctl.check(req(tenant="flood")).admitted:
+        admit(ctl, req(tenant="flood"))
+        flood += 1
+    assert flood >= 1
+    flooder_wait, _ = ctl.expected_wait_s(req(tenant="flood"))
+    other_wait, _ = ctl.expected_wait_s(req(tenant="quiet"))
+    assert other_wait < flooder_wait
+    assert ctl.check(req(tenant="quiet")).admitted
+    assert ctl.check(req(tenant="flood")).reason in ("kv_cache", "queue_full")
+
+
+def test_observed_waits_longer_than_predicted_raise_later_predictions():
+    def run(late_factor: float) -> float:
+        ctl, clock = make(num_blocks=10, block_size=16, max_queue_wait_s=100.0)
+        _run_drain(ctl, clock, finish_every_s=0.2)
+        for _ in range(20):  # the same timeline; only when on_start comes differs
+            r = req()
+            d = ctl.check(r)
+            ctl.admit(r, d)
+            clock.now += late_factor * d.expected_wait_s
+            ctl.on_start(r.request_id)
+            clock.now += (3.0 - late_factor) * d.expected_wait_s
+            ctl.on_finish(r.request_id, 20)
+        return ctl.expected_wait_s(req())[0]
+
+    on_time, late = run(1.0), run(3.0)
+    assert on_time > 0.05
+    assert late > 1.5 * on_time

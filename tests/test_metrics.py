@@ -1,0 +1,93 @@
+"""/metrics after a known workload: vLLM's names, counts that match what was
+sent, and kvserve's admission / SLO counters."""
+
+from __future__ import annotations
+
+import httpx
+
+from kvserve.contract import RequestTimestamps
+from kvserve.metrics import ServerMetrics
+from tests.load_helpers import metric, scrape
+from tests.server_helpers import MODEL_NAME, live_server, tiny_core
+
+VLLM_NAMES = [
+    "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+    "vllm:request_time_per_output_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+    "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
+    "vllm:request_decode_time_seconds_count", "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+]
+
+
+def test_counters_and_histograms_match_a_known_workload():
+    core = tiny_core(num_blocks=16, max_model_len=512)  # 256 token slots
+    with live_server(core) as srv, httpx.Client(base_url=srv.base_url, timeout=30) as http:
+        prompt = list(range(1, 11))  # 10 tokens
+        for i in range(5):
+            r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 6,
+                                                   "stream": i % 2 == 0})
+            assert r.status_code == 200
+        never = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 400})
+        assert never.status_code == 400 and never.json()["error"]["code"] == "never_fits"
+        shared = list(range(50, 90))  # 40 tokens: two full blocks can be reused
+        for _ in range(2):
+            assert http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": shared,
+                                                      "max_tokens": 2}).status_code == 200
+        s = scrape(srv.base_url)
+
+    for name in VLLM_NAMES:
+        assert any(k.startswith(name + "{") and 'model_name="tiny"' in k for k in s), name
+    assert metric(s, "vllm:prompt_tokens_total") == 5 * 10 + 2 * 40
+    assert metric(s, "vllm:generation_tokens_total") == 5 * 6 + 2 * 2
+    assert metric(s, "vllm:request_success_total", finished_reason="length") == 7
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_time_per_output_token_seconds"):
+        assert metric(s, f"vllm:{name}_count") == 7, name
+    assert metric(s, "vllm:inter_token_latency_seconds_count") == 5 * 5 + 2 * 1
+    assert metric(s, "kvserve_admission_decisions_total", outcome="admit") == 7
+    assert metric(s, "kvserve_admission_decisions_total", outcome="reject", reason="never_fits") == 1
+    assert metric(s, "kvserve_slo_requests_total", slo="both") == 7
+    assert metric(s, "kvserve_slo_requests_total", slo="ttft", result="met") == 7  # loopback, tiny model
+    assert metric(s, "vllm:prefix_cache_hits_total") >= 32  # the second shared prompt reused 2 blocks
+    assert metric(s, "vllm:prefix_cache_queries_total") >= metric(s, "vllm:prefix_cache_hits_total")
+    assert metric(s, "vllm:num_requests_running") == 0
+    assert metric(s, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_histogram_buckets_and_slo_counters_from_timestamps():
+    metrics = ServerMetrics("m", ttft_slo_s=0.5, tpot_slo_s=0.05)
+    fast = RequestTimestamps(arrival=10.0, queued=10.0, scheduled=10.01, first_token=10.05,
+                             token_times=[10.05, 10.07, 10.09], finished=10.09)
+    slow = RequestTimestamps(arrival=20.0, queued=20.0, scheduled=20.9, first_token=21.0,
+                             token_times=[21.0, 21.2], finished=21.2)
+    metrics.record_finished(fast, 4, 3, "length")
+    metrics.record_finished(slow, 4, 2, "stop")
+    text = metrics.render().decode()
+
+    def value(line_prefix: str) -> float:
+        return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(line_prefix))
+
+    assert value('vllm:time_to_first_token_seconds_bucket{le="0.06",model_name="m"}') == 1  # 0.05 s
+    assert value('vllm:time_to_first_token_seconds_bucket{le="1.0",model_name="m"}') == 2  # and 1.0 s
+    assert value('vllm:inter_token_latency_seconds_count{model_name="m"}') == 3
+    assert value('vllm:request_queue_time_seconds_bucket{le="0.01",model_name="m"}') == 1
+    assert value('kvserve_slo_requests_total{model_name="m",result="met",slo="ttft"}') == 1
+    assert value('kvserve_slo_requests_total{model_name="m",result="missed",slo="tpot"}') == 1
+    assert value('kvserve_slo_requests_total{model_name="m",result="missed",slo="both"}') == 1
+    assert value('vllm:request_success_total{finished_reason="stop",model_name="m"}') == 1
+
+
+def test_health_and_ready():
+    with live_server(tiny_core()) as srv:
+        assert httpx.get(srv.base_url + "/health").status_code == 200
+        assert httpx.get(srv.base_url + "/ready").status_code == 200
+        srv.serving.draining = True
+        ready = httpx.get(srv.base_url + "/ready")
+        assert ready.status_code == 503 and ready.json()["error"]["code"] == "not_ready"
+        refused = httpx.post(srv.base_url + "/v1/completions",
+                             json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        srv.serving.draining = False

@@ -1,0 +1,195 @@
+"""The promise under load, on a live server with a tiny model and a small KV
+cache: overload gets honest 429s while admitted requests stay inside the TTFT
+target; disconnects and stalled readers free their KV; deadlines end in 503;
+priorities, tenant fairness, quotas, retries and degradation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+
+import httpx
+import pytest
+
+from kvserve.contract import Request, SamplingParams
+from kvserve.server.tenants import TenantDirectory
+from tests.load_helpers import after, body, metric, run_clients, scrape, stream_one, wait_until, warm_up
+from tests.server_helpers import live_server, tiny_core
+
+TTFT_TARGET_S = 2.0
+
+
+def kv_idle(base_url: str) -> bool:
+    samples = scrape(base_url)
+    return (metric(samples, "vllm:kv_cache_usage_perc") == 0.0
+            and metric(samples, "vllm:num_requests_running") == 0.0
+            and metric(samples, "vllm:num_requests_waiting") == 0.0)
+
+
+def test_overload_burst_gets_429_with_retry_after_and_admitted_requests_meet_ttft():
+    core = tiny_core(num_blocks=32, max_num_seqs=8)  # ~8 requests of 4 blocks at a time
+    with live_server(core, max_queue_wait_s=0.5, ttft_slo_s=TTFT_TARGET_S) as srv:
+        start = time.monotonic()
+        outs = run_clients(srv.base_url, lambda c: [stream_one(c, body()) for _ in range(60)], timeout_s=60)
+        elapsed_s = time.monotonic() - start
+        admitted = [o for o in outs if o.status == 200]
+        refused = [o for o in outs if o.status == 429]
+        assert len(admitted) + len(refused) == len(outs), {o.status for o in outs}
+        assert refused and admitted
+        for o in refused:
+            assert o.retry_after is not None and int(o.retry_after) >= 1
+            assert o.error["type"] == "overloaded" and o.error["code"] in ("kv_cache", "queue_full")
+        ttfts = [o.ttft_s for o in admitted]
+        assert max(ttfts) <= TTFT_TARGET_S, sorted(ttfts)
+        assert all(o.finish_reason == "length" for o in admitted)  # nobody hung or was cut
+        assert elapsed_s < 30
+        assert wait_until(lambda: kv_idle(srv.base_url), 5)
+        samples = scrape(srv.base_url)
+        assert metric(samples, "kvserve_admission_decisions_total", outcome="reject") == len(refused)
+
+
+def test_disconnects_mid_stream_free_all_kv():
+    core = tiny_core(num_blocks=256, max_num_seqs=16)
+    with live_server(core, max_queue_wait_s=30) as srv:
+        outs = run_clients(srv.base_url,
+                           lambda c: [stream_one(c, body(max_tokens=300), read_chunks=3) for _ in range(20)])
+        assert all(o.status == 200 and o.num_chunks == 3 for o in outs), [(o.status, o.num_chunks, o.error) for o in outs if o.status != 200 or o.num_chunks != 3]
+        assert wait_until(lambda: kv_idle(srv.base_url), 10), scrape(srv.base_url)
+        samples = scrape(srv.base_url)
+        assert metric(samples, "kvserve_cancellations_total", reason="disconnect") == 20
+        assert metric(samples, "vllm:request_success_total", finished_reason="abort") == 20
+        # Nothing ran to completion: every request was cut short.
+        assert metric(samples, "vllm:generation_tokens_total") < 20 * 300
+        assert metric(samples, "kvserve_admission_decisions_total", outcome="admit") == 20
+
+
+def test_non_streaming_client_that_leaves_is_aborted():
+    with live_server(tiny_core(num_blocks=64)) as srv:
+        async def leave_early(client):
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post("/v1/completions", json={**body(max_tokens=450), "stream": False},
+                                  timeout=0.3)
+
+        run_clients(srv.base_url, lambda c: [leave_early(c)])
+        assert wait_until(lambda: metric(scrape(srv.base_url), "kvserve_cancellations_total",
+                                         reason="disconnect") == 1, 10)
+        assert wait_until(lambda: kv_idle(srv.base_url), 5)
+
+
+def test_stalled_reader_is_aborted_and_frees_kv():
+    with live_server(tiny_core(num_blocks=64), stream_stall_timeout_s=0.3) as srv:
+        serving = srv.serving
+        request = Request("stalled-1", [1, 2, 3, 4], SamplingParams(max_tokens=400), arrival_time=time.monotonic())
+
+        async def add_and_never_read():
+            return serving.engine.add(request)
+
+        asyncio.run_coroutine_threadsafe(add_and_never_read(), serving.engine._loop).result(5)
+        assert wait_until(lambda: metric(scrape(srv.base_url), "kvserve_cancellations_total",
+                                         reason="stalled") == 1, 10)
+        assert wait_until(lambda: kv_idle(srv.base_url), 5)
+
+
+def test_request_that_cannot_start_in_time_gets_503_even_when_streaming():
+    core = tiny_core(num_blocks=64, max_num_seqs=1)
+    with live_server(core, max_queue_wait_s=100, queue_timeout_s=0.3) as srv:
+        warm_up(srv.base_url, num_requests=2)
+
+        def clients(c):
+            first = stream_one(c, body(max_tokens=450))  # runs for well over the queue timeout
+            queued = [after(0.1, stream_one(c, body(max_tokens=5))) for _ in range(3)]
+            deadline = after(0.1, stream_one(c, body(max_tokens=5), headers={"x-kvserve-deadline-s": "0.2"}))
+            return [first, *queued, deadline]
+
+        outs = run_clients(srv.base_url, clients)
+        assert outs[0].status == 200
+        assert [o.status for o in outs[1:4]] == [503] * 3
+        assert {o.error["code"] for o in outs[1:4]} == {"queue_timeout"}
+        # The deadline is shorter than the expected wait: refused at the door, or aborted at it.
+        assert (outs[4].status, outs[4].error["code"]) in ((429, "deadline"), (503, "deadline"))
+        assert wait_until(lambda: kv_idle(srv.base_url), 5)
+
+
+def test_priority_requests_wait_less_and_batch_still_finishes():
+    core = tiny_core(num_blocks=128, max_num_seqs=2)
+    with live_server(core, max_queue_wait_s=100, deferred_max_queue_wait_s=100) as srv:
+        warm_up(srv.base_url)
+
+        def clients(c):
+            batch = [stream_one(c, body(max_tokens=40, service_tier="flex")) for _ in range(10)]
+            urgent = [after(0.2, stream_one(c, body(max_tokens=40, priority=0))) for _ in range(4)]
+            return batch + urgent
+
+        outs = run_clients(srv.base_url, clients)
+        assert all(o.status == 200 and o.finish_reason == "length" for o in outs), [o.error for o in outs]
+        batch_ttft = sorted(o.ttft_s for o in outs[:10])
+        urgent_ttft = [o.ttft_s for o in outs[10:]]
+        # Urgent requests arrive later but jump the deferred queue.
+        assert statistics.mean(urgent_ttft) + 0.2 < batch_ttft[-1]
+        assert max(urgent_ttft) < batch_ttft[-3]
+
+
+def test_flooding_tenant_does_not_push_another_past_the_target(tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"sk-flood": {"tenant": "flood"}, "sk-quiet": {"tenant": "quiet"}}))
+    core = tiny_core(num_blocks=128, max_num_seqs=2)
+    with live_server(core, tenants=TenantDirectory.from_file(keys), max_queue_wait_s=100) as srv:
+        flood_auth, quiet_auth = {"authorization": "Bearer sk-flood"}, {"authorization": "Bearer sk-quiet"}
+        run_clients(srv.base_url, lambda c: [stream_one(c, body(max_tokens=8), headers=flood_auth)
+                                             for _ in range(4)])  # warm-up
+
+        def clients(c):
+            flood = [stream_one(c, body(max_tokens=40), headers=flood_auth) for _ in range(20)]
+            return flood + [after(0.3, stream_one(c, body(max_tokens=40), headers=quiet_auth)) for _ in range(2)]
+
+        outs = run_clients(srv.base_url, clients)
+        assert all(o.status == 200 for o in outs), [(o.status, o.error) for o in outs if o.status != 200]
+        flood_ttft = sorted(o.ttft_s for o in outs[:20])
+        quiet_ttft = [o.ttft_s for o in outs[20:]]
+        assert max(quiet_ttft) < TTFT_TARGET_S
+        assert max(quiet_ttft) < flood_ttft[len(flood_ttft) // 2], (quiet_ttft, flood_ttft)
+
+
+def test_tenant_quotas_give_429_tenant_quota(tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"sk-a": {"tenant": "a", "max_concurrent": 2},
+                                "sk-b": {"tenant": "b", "tokens_per_minute": 200}}))
+    with live_server(tiny_core(num_blocks=128), tenants=TenantDirectory.from_file(keys)) as srv:
+        auth_a = {"authorization": "Bearer sk-a"}
+        outs = run_clients(srv.base_url, lambda c: [stream_one(c, body(max_tokens=200), headers=auth_a)
+                                                    for _ in range(5)])
+        assert sorted(o.status for o in outs) == [200, 200, 429, 429, 429]
+        for o in outs:
+            if o.status == 429:
+                assert o.error["code"] == "tenant_quota" and o.error["type"] == "rate_limited"
+                assert int(o.retry_after) >= 1
+        auth_b = {"authorization": "Bearer sk-b"}
+        first = run_clients(srv.base_url, lambda c: [stream_one(c, body(max_tokens=100), headers=auth_b)])[0]
+        second = run_clients(srv.base_url, lambda c: [stream_one(c, body(max_tokens=100), headers=auth_b)])[0]
+        assert first.status == 200
+        assert second.status == 429 and second.error["code"] == "tenant_quota"
+
+
+def test_retries_are_admitted_only_within_the_budget():
+    with live_server(tiny_core(num_blocks=128), retry_budget=0.1, max_queue_wait_s=100) as srv:
+        retry = {"x-stainless-retry-count": "1"}
+        statuses = [run_clients(srv.base_url, lambda c: [stream_one(c, body(max_tokens=2), headers=retry)])[0]
+                    for _ in range(7)]
+        codes = [o.status for o in statuses]
+        assert codes[:5] == [200] * 5  # the initial burst allowance
+        assert codes[5] == 429 and statuses[5].error["code"] == "retry_budget"
+
+
+def test_degradation_caps_max_tokens_and_says_so():
+    with live_server(tiny_core(num_blocks=128, max_num_seqs=4), degrade_wait_s=0.0, degrade_max_tokens=5,
+                     max_queue_wait_s=100) as srv:
+        warmup = run_clients(srv.base_url, lambda c: [stream_one(c, body(max_tokens=10)) for _ in range(8)])
+        assert all("x-kvserve-degraded" not in o.headers for o in warmup[:4])
+        outs = run_clients(srv.base_url, lambda c: [stream_one(c, body(max_tokens=30)) for _ in range(20)])
+        degraded = [o for o in outs if "x-kvserve-degraded" in o.headers]
+        assert degraded, "some requests should wait and be degraded"
+        for o in degraded:
+            assert o.headers["x-kvserve-degraded"] == "max_tokens=5"
+            assert o.num_chunks <= 5 and o.finish_reason == "length"

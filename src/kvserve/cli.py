@@ -21,6 +21,18 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to a flag's help unless the help already states
+    its default or there is none worth stating."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if ("default" in help_text or action.default in (None, False, argparse.SUPPRESS)
+                or not action.option_strings):
+            return help_text
+        return help_text + " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -41,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     module_name, help_text = SUBCOMMANDS[name]
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"kvserve {name}", description=help_text,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=_HelpFormatter)
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
     return int(module.run(args) or 0)

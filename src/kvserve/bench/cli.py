@@ -25,7 +25,7 @@ from kvserve.bench.arrivals import ArrivalSpec, arrival_offsets, parse_arrival
 from kvserve.bench.client import ClientConfig, run_load, run_sync
 from kvserve.bench.prompts import PromptBuilder, load_tokenizer
 from kvserve.bench.report import SLO, build_report, format_table, parse_slo, write_report
-from kvserve.bench.sweep import capacity_search
+from kvserve.bench.sweep import run_sweep_to_dir
 from kvserve.bench.workload import (RequestSpec, WorkloadSpec, generate_requests, iter_requests,
                                     load_trace, parse_length_classes, parse_weights,
                                     requests_from_trace)
@@ -301,17 +301,8 @@ def _run_sweep(args: argparse.Namespace, config: ClientConfig, builder: PromptBu
         print(f"--- rate {rate:.3g} req/s", file=sys.stderr)
         return _run_once(args, config, builder, slo, plan_requests(args, rate), out / f"rate_{rate:.4g}")
 
-    def show(point) -> None:
-        print(f"rate {point.rate_per_s:8.3g} req/s: sustainable={point.sustainable} "
-              f"slo_passed={point.slo_passed} goodput={point.goodput}")
-
-    result = capacity_search(run_at, args.sweep_start_rate, args.sweep_max_runs,
-                             args.sweep_tolerance, on_point=show)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps(result.to_dict(), indent=1))
-    print(f"max sustainable rate: {result.max_sustainable_rate_per_s} req/s; "
-          f"capacity at SLO {slo.name}: {result.capacity_at_slo_per_s} req/s "
-          f"(wrote {out / 'sweep.json'})")
+    run_sweep_to_dir(run_at, out, slo.name, args.sweep_start_rate, args.sweep_max_runs,
+                     args.sweep_tolerance)
     return 0
 
 

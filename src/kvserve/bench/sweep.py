@@ -17,9 +17,11 @@ intervals. `run_at(rate)` returns a report dict (bench or simulator).
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 RunAt = Callable[[float], dict]
 
@@ -121,3 +123,20 @@ def _next_rate(sustain: _Interval, slo: _Interval, last: float, rel_tol: float,
     if sustain.failed is None:  # still expanding
         return min(last * 2, max_rate) if last < max_rate else None
     return slo.next_rate(rel_tol) or sustain.next_rate(rel_tol)
+
+
+def run_sweep_to_dir(run_at: RunAt, out_dir: Path, slo_name: str, start_rate: float, max_runs: int,
+                     rel_tol: float, note: str = "") -> SweepResult:
+    """The `--sweep` of `kvserve bench` and `kvserve simulate`: search, print
+    each point and the result, write out_dir/sweep.json."""
+
+    def show(point: SweepPoint) -> None:
+        print(f"rate {point.rate_per_s:8.3g} req/s: sustainable={point.sustainable} "
+              f"slo_passed={point.slo_passed} goodput={point.goodput}")
+
+    result = capacity_search(run_at, start_rate, max_runs, rel_tol, on_point=show)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "sweep.json").write_text(json.dumps(result.to_dict(), indent=1))
+    print(f"max sustainable rate: {result.max_sustainable_rate_per_s} req/s; capacity at SLO "
+          f"{slo_name}: {result.capacity_at_slo_per_s} req/s ({note}wrote {out_dir / 'sweep.json'})")
+    return result

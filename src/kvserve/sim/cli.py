@@ -217,23 +217,15 @@ def simulate_once(args: argparse.Namespace, config: SimConfig, cost_model: CostM
 
 
 def _run_sweep(args: argparse.Namespace, config: SimConfig, cost_model: CostModel, slo: SLO) -> int:
-    from kvserve.bench.sweep import capacity_search
+    from kvserve.bench.sweep import run_sweep_to_dir
 
     out = Path(args.out)
 
     def run_at(rate: float) -> dict:
         return simulate_once(args, config, cost_model, slo, rate, out / f"rate_{rate:.4g}")
 
-    def show(point) -> None:
-        print(f"rate {point.rate_per_s:8.3g} req/s: sustainable={point.sustainable} "
-              f"slo_passed={point.slo_passed} goodput={point.goodput}")
-
-    result = capacity_search(run_at, args.sweep_start_rate, args.sweep_max_runs,
-                             args.sweep_tolerance, on_point=show)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps(result.to_dict(), indent=1))
-    print(f"max sustainable rate: {result.max_sustainable_rate_per_s} req/s; capacity at SLO "
-          f"{slo.name}: {result.capacity_at_slo_per_s} req/s (simulated; wrote {out / 'sweep.json'})")
+    run_sweep_to_dir(run_at, out, slo.name, args.sweep_start_rate, args.sweep_max_runs,
+                     args.sweep_tolerance, note="simulated; ")
     return 0
 
 

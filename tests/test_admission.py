@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvserve.config import AdmissionConfig
@@ -196,16 +198,114 @@ def test_deadline_shorter_than_expected_wait_is_refused_at_the_door():
     assert (d.status, d.reason) == (429, "deadline")
 
 
-def test_running_cap_follows_measured_step_time():
-    ctl, _ = make(num_blocks=1000, max_num_seqs=256, tpot_slo_s=0.1)
-    assert ctl.running_cap() == 256  # nothing measured: no cap beyond the config
-    for tokens in (1, 8, 16, 32, 64, 128, 200) * 5:
-        ctl.observe_step(tokens, 0.01 + 0.001 * tokens)  # 0.1 s at 90 tokens
-    cap = ctl.running_cap()
-    assert 60 <= cap <= 90
-    cheap, _ = make(num_blocks=1000, max_num_seqs=256, tpot_slo_s=0.1)
-    for tokens in (1, 8, 16, 32, 64, 128, 200) * 5:
-        cheap.observe_step(tokens, 0.001 + 0.00001 * tokens)
+def _feed(ctl, steps, a_s, per_decode_s, per_prefill_s, noise=0.0, seed=0):
+    """Observe synthetic steps from a known cost, with +-noise relative jitter."""
+    rng = random.Random(seed)
+    for decodes, prefill in steps:
+        step_s = a_s + per_decode_s * decodes + per_prefill_s * prefill
+        ctl.observe_step(decodes, prefill, step_s * (1 + rng.uniform(-noise, noise)))
+
+
+# Decode batches of 0..8 with and without prefill chunks, in a shuffled order.
+_GRID = [(d, p) for d in range(9) for p in (0, 0, 16, 64, 256, 512)]
+random.Random(1).shuffle(_GRID)
+
+
+def test_step_model_recovers_intercept_and_both_slopes():
+    ctl, _ = make(max_num_seqs=64, tpot_slo_s=0.105)
+    _feed(ctl, _GRID * 3, 0.04, 0.015, 0.001)
+    fit = ctl.step_model.fit()
+    assert fit.intercept_s == pytest.approx(0.04, rel=1e-6)
+    assert fit.per_decode_seq_s == pytest.approx(0.015, rel=1e-6)
+    assert fit.per_prefill_token_s == pytest.approx(0.001, rel=1e-6)
+    # Budget 0.105 s x 0.9 headroom = 94.5 ms: 40 + 15 B <= 94.5 up to B = 3.
+    assert ctl.running_cap() == 3
+    # Beside 2 decodes 24.5 ms are left = 24 prefill tokens; beside 3 only
+    # 9.5 ms, so the minimum chunk (16 tokens) applies.
+    assert ctl.prefill_token_budget(2) == 24
+    assert ctl.prefill_token_budget(3) == 16
+    assert ctl.step_limits(2) == (3, 2 + 24)
+
+
+def test_step_model_fit_tolerates_noisy_steps():
+    ctl, _ = make(max_num_seqs=64, tpot_slo_s=0.105)
+    _feed(ctl, _GRID * 3, 0.04, 0.015, 0.001, noise=0.05, seed=7)
+    fit = ctl.step_model.fit()  # within 10% of each true coefficient
+    assert fit.intercept_s == pytest.approx(0.04, rel=0.1)
+    assert fit.per_decode_seq_s == pytest.approx(0.015, rel=0.1)
+    assert fit.per_prefill_token_s == pytest.approx(0.001, rel=0.1)
+    assert ctl.running_cap() == 3
+
+
+def test_prefill_heavy_steps_no_longer_inflate_the_running_cap():
+    # The failure measured on the CPU server: decode-only steps of 6..9
+    # sequences fit the budget and every other step carries a 512-token chunk.
+    # True cost 20 ms + 6 ms/seq + 0.3 ms/prefill token, TPOT 100 ms.
+    ctl, _ = make(max_num_seqs=64, tpot_slo_s=0.1)
+    steps = [(d, p) for _ in range(10) for d in (6, 7, 8, 9) for p in (0, 512)]
+    _feed(ctl, steps, 0.02, 0.006, 0.0003)
+    # 0.02 + 0.006 B <= 0.09 up to B = 11. (The old one-factor fit on batched
+    # tokens gave slope ~0.3 ms/token and intercept ~63 ms: a cap of ~90,
+    # clamped to max_num_seqs = 64.)
+    assert ctl.running_cap() == 11
+    # Beside 6 decodes: 0.09 - 0.02 - 0.036 = 34 ms = 113 prefill tokens, so
+    # a 512-token chunk no longer stretches every decode's step.
+    assert ctl.prefill_token_budget(6) == 113
+    assert ctl.prefill_token_budget(11) == 16
+
+
+def test_decode_only_steps_fit_intercept_and_decode_slope_alone():
+    ctl, _ = make(max_num_seqs=64, tpot_slo_s=0.1)
+    assert ctl.running_cap() == 64  # nothing measured: no cap beyond the config
+    assert ctl.prefill_token_budget(4) is None
+    assert ctl.step_limits(4) == (64, None)
+    _feed(ctl, [(d, 0) for d in range(1, 9)] * 5, 0.012, 0.01, 0.0)
+    fit = ctl.step_model.fit()
+    assert fit.per_prefill_token_s is None  # never varied: not identified
+    assert fit.intercept_s == pytest.approx(0.012) and fit.per_decode_seq_s == pytest.approx(0.01)
+    assert ctl.running_cap() == 7  # 12 + 10 B <= 90 ms
+    assert ctl.step_limits(4) == (7, None)
+
+
+def test_before_the_fit_a_slow_prefill_step_shrinks_the_next_chunks():
+    ctl, _ = make(max_num_seqs=64, tpot_slo_s=0.1)
+    ctl.observe_step(0, 512, 1.0)  # a full chunk took a second (a slow CPU)
+    assert ctl.step_model.fit() is None
+    assert ctl.running_cap() == 64  # no decode measured yet
+    # The whole second charged to 512 tokens: 90 ms of budget holds 46.
+    assert ctl.prefill_token_budget(0) == 46
+    assert ctl.step_limits(0) == (64, 46)
+
+
+def test_one_batch_size_grows_the_cap_by_one_or_scales_it_down():
+    fast, _ = make(max_num_seqs=64, tpot_slo_s=0.1)
+    _feed(fast, [(10, 0)] * 20, 0.05, 0.0, 0.0)
+    assert fast.running_cap() == 11  # room: grow by one, then measure again
+    slow, _ = make(max_num_seqs=64, tpot_slo_s=0.1)
+    _feed(slow, [(10, 0)] * 20, 0.17, 0.0, 0.0)
+    assert slow.running_cap() == 5  # 10 sequences x 90 ms / 170 ms
+    prompt_only, _ = make(max_num_seqs=64, tpot_slo_s=0.1)
+    _feed(prompt_only, [(0, p) for p in (64, 512)] * 10, 0.05, 0.0, 0.001)
+    assert prompt_only.running_cap() == 64  # no decode measured yet
+
+
+def test_a_decode_is_never_fitted_cheaper_than_a_prefill_token():
+    # Decode counts that vary with no visible cost (noise on a busy machine)
+    # must not lift the cap to max_num_seqs: a decode costs at least what a
+    # prefill token does (1 ms here), so 31 + 1 x B <= 90 ms gives 59.
+    ctl, _ = make(max_num_seqs=256, tpot_slo_s=0.1)
+    _feed(ctl, [(d, p) for d in (2, 3, 4) for p in (0, 32, 64)] * 4, 0.031, 0.0, 0.001)
+    assert ctl.running_cap() == 59
+
+
+def test_steps_that_get_faster_with_more_work_never_give_negative_costs():
+    ctl, _ = make(max_num_seqs=64, tpot_slo_s=0.1)
+    _feed(ctl, [(d, 0) for d in range(1, 9)] * 5, 0.08, -0.005, 0.0)
+    fit = ctl.step_model.fit()
+    assert fit.per_decode_seq_s == 0.0 and fit.intercept_s >= 0
+    assert ctl.running_cap() == 64
+    cheap, _ = make(max_num_seqs=256, tpot_slo_s=0.1)
+    _feed(cheap, _GRID, 0.001, 0.00001, 0.000001)
     assert cheap.running_cap() == 256
 
 

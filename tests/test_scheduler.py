@@ -177,19 +177,64 @@ def test_abort_between_schedule_and_update_is_ignored_by_update():
     sched.kv_cache.check_integrity()
 
 
-def test_sequence_cap_and_set_max_running():
+def test_sequence_cap_and_set_step_limits():
     sched, clock = make_scheduler(max_seqs=4)
     for i in range(10):
         sched.add_request(make_request(f"r{i}", first_token=10 * i + 1))
     out = step(sched, clock)
     assert len(out.chunks) == 4
-    sched.set_max_running(2)
+    sched.set_step_limits(2, None)
     while sched.has_unfinished():
         running_before = len(sched.running)
         out = step(sched, clock)
         assert len(out.chunks) <= max(running_before, 2)
         if running_before <= 2:
             assert len(out.chunks) <= 2
+
+
+def test_step_token_limit_caps_the_whole_step_and_decodes_come_first():
+    sched, clock = make_scheduler(num_blocks=256, budget=64, max_seqs=16)
+    decoders = [make_request(f"d{i}", num_prompt=8, max_tokens=50, first_token=100 * i + 1)
+                for i in range(4)]
+    for r in decoders:
+        sched.add_request(r)
+    step(sched, clock)  # 4 x 8 prompt tokens within the config's 64
+    sched.set_step_limits(5, 8)
+    sched.add_request(make_request("long", num_prompt=40, max_tokens=5, first_token=900))
+    long_chunks = []
+    for _ in range(12):
+        out = step(sched, clock)
+        got = {c.request.request_id: c.num_new_tokens for c in out.chunks}
+        assert out.num_batched_tokens <= 8
+        assert all(got.get(r.request_id) == 1 for r in decoders), "a decode missed a step"
+        long_chunks.append((got.get("long", 0), out.num_decode_seqs, out.num_prefill_tokens))
+    # The prompt gets what the 4 decodes leave of the 8 tokens, chunk by chunk,
+    # then decodes beside them.
+    assert long_chunks[:10] == [(4, 4, 4)] * 10
+    assert long_chunks[10] == (1, 5, 0)
+    assert sched.get_request("long").num_output_tokens == 3
+
+
+def test_step_token_limit_is_clamped_to_the_config_and_none_restores_it():
+    sched, clock = make_scheduler(budget=32)
+    sched.add_request(make_request("r", num_prompt=100, max_tokens=2))
+    sched.set_step_limits(16, 10_000)
+    assert step(sched, clock).num_batched_tokens == 32
+    sched.set_step_limits(16, 0)
+    assert step(sched, clock).num_batched_tokens == 1
+    sched.set_step_limits(16, None)
+    assert step(sched, clock).num_batched_tokens == 32
+
+
+def test_step_shape_splits_decodes_from_prefill_tokens():
+    sched, clock = make_scheduler(budget=64)
+    sched.add_request(make_request("a", num_prompt=10, max_tokens=5))
+    first = step(sched, clock)
+    assert (first.num_decode_seqs, first.num_prefill_tokens) == (0, 10)
+    sched.add_request(make_request("b", num_prompt=20, max_tokens=5, first_token=50))
+    mixed = step(sched, clock)
+    assert (mixed.num_decode_seqs, mixed.num_prefill_tokens) == (1, 20)
+    assert mixed.num_decode_seqs + mixed.num_prefill_tokens == mixed.num_batched_tokens
 
 
 def test_timestamps_are_stamped_from_the_injected_clock():

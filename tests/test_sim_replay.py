@@ -52,7 +52,7 @@ def _replay(trace, config: SimConfig):
                                           arrival_time=now, eos_token_id=SIM_EOS_TOKEN_ID,
                                           priority=priority, tenant=tenant, cache_namespace=namespace))
         elif kind == "schedule":
-            scheduler.set_max_running(entry[2])
+            scheduler.set_step_limits(*entry[2])
             pending = scheduler.schedule()
             outputs.append(([(c.request.request_id, c.start, c.num_new_tokens, c.samples)
                              for c in pending.chunks], list(pending.preempted_ids)))

@@ -94,6 +94,9 @@ class ServerMetrics:
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks held by requests (0..1).")
         self.running_cap = gauge("kvserve_running_cap",
                                  "Running-batch cap derived from measured step time and the TPOT target.")
+        self.step_token_budget = gauge("kvserve_step_token_budget",
+                                       "Tokens one engine step may batch (decodes + prefill), derived from "
+                                       "measured step time and the TPOT target.")
 
     # ---- recording ---------------------------------------------------------
 

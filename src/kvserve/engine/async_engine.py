@@ -10,7 +10,7 @@ measurement.
 
 Threading contract: only the engine thread touches EngineCore and its
 scheduler. The event loop talks to it through a command queue (add, abort,
-set the running cap), consumed at the top of every step, so an abort frees
+set the step limits), consumed at the top of every step, so an abort frees
 KV within one step. Results come back with `loop.call_soon_threadsafe`, and
 every callback (`on_step`) runs on the event loop thread.
 """
@@ -49,7 +49,8 @@ class StepReport:
     """What one engine step did, delivered on the event loop."""
 
     step_s: float
-    num_batched_tokens: int
+    num_decode_seqs: int  # chunks that were decodes (ScheduledChunk.is_decode)
+    num_prefill_tokens: int  # every other token of the step
     started_ids: list[str]
     finished: list[Finished]
     stats: object | None  # SchedulerStats after the step
@@ -115,8 +116,9 @@ class AsyncEngine:
         if request_id in self.streams:
             self._send("abort", (request_id, reason))
 
-    def set_max_running(self, max_running: int) -> None:
-        self._send("cap", max_running)
+    def set_step_limits(self, max_running: int, max_batched_tokens: int | None) -> None:
+        """Scheduler.set_step_limits, applied before the next step."""
+        self._send("limits", (max_running, max_batched_tokens))
 
     @property
     def num_streams(self) -> int:
@@ -163,7 +165,7 @@ class AsyncEngine:
                 finished = self._run_commands()
                 if not self.core.has_unfinished():
                     if finished:
-                        self._post([], StepReport(0.0, 0, [], finished, self._stats()))
+                        self._post([], StepReport(0.0, 0, 0, [], finished, self._stats()))
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
                     continue
@@ -184,7 +186,8 @@ class AsyncEngine:
                 self._pending_start.discard(output.request_id)
                 finished.append(Finished(output.request_id, output.finish_reason or "stop",
                                          len(output.token_ids), output.timestamps))
-        report = StepReport(step_s, self._num_batched_tokens(), started, finished, self._stats())
+        report = StepReport(step_s, self.core.last_num_decode_seqs, self.core.last_num_prefill_tokens,
+                            started, finished, self._stats())
         self._post(outputs, report)
 
     def _run_commands(self) -> list[Finished]:
@@ -198,10 +201,8 @@ class AsyncEngine:
                 finished.extend(self._add(payload))
             elif kind == "abort":
                 finished.extend(self._abort(*payload))
-            elif kind == "cap":
-                setter = getattr(self.core.scheduler, "set_max_running", None)
-                if setter is not None:
-                    setter(payload)
+            elif kind == "limits":
+                self.core.scheduler.set_step_limits(*payload)
 
     def _add(self, request: Request) -> list[Finished]:
         try:
@@ -223,12 +224,6 @@ class AsyncEngine:
     def _is_started(self, request_id: str) -> bool:
         request = self.core.scheduler.get_request(request_id)
         return request is not None and request.timestamps.scheduled is not None
-
-    def _num_batched_tokens(self) -> int:
-        last = getattr(self.core, "last_num_batched_tokens", None)
-        if last is not None:
-            return int(last)
-        return len(getattr(self.core.scheduler, "running", ()))
 
     def _stats(self):
         return self.core.scheduler.stats()

@@ -88,7 +88,11 @@ class EngineCore:
         self.eos_token_id = tokenizer.eos_token_id
         self._states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
-        self.last_num_batched_tokens = 0  # tokens in the latest step's forward pass
+        # Shape of the latest step's forward pass (tokens; decode seqs +
+        # prefill tokens = batched tokens), for the step-time model.
+        self.last_num_batched_tokens = 0
+        self.last_num_decode_seqs = 0
+        self.last_num_prefill_tokens = 0
 
     # -- requests in and out -------------------------------------------------
     def new_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
@@ -136,6 +140,8 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         sampled = self.runner.execute(scheduled)
         self.last_num_batched_tokens = scheduled.num_batched_tokens
+        self.last_num_decode_seqs = scheduled.num_decode_seqs
+        self.last_num_prefill_tokens = scheduled.num_prefill_tokens
         return self._process(scheduled, sampled)
 
     def _process(self, scheduled: SchedulerOutput, sampled: SamplerOutput) -> list[RequestOutput]:

@@ -9,8 +9,9 @@ queued ahead of it in its priority class. Over the class's limit it answers
 429 with a Retry-After instead of letting the queue turn into timeouts.
 
 It also owns tenant quotas (concurrency, tokens per minute), the retry
-budget, degradation (cap max_tokens instead of refusing) and the running
-batch cap that keeps the measured decode step inside the TPOT target.
+budget, degradation (cap max_tokens instead of refusing) and the step
+limits (running batch cap, prefill tokens per step) that keep the measured
+step time inside the TPOT target.
 
 Pure Python, clock injected, no asyncio or HTTP: the server and the simulator
 drive the same object. Not thread-safe: call it from one thread.
@@ -22,6 +23,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvserve.config import AdmissionConfig
 
@@ -47,9 +49,24 @@ SHORT_WAIT_S = 0.05
 CALIBRATION_WEIGHT = 0.1  # EWMA weight of one observed start
 MAX_WAIT_CORRECTION = 4.0
 
-# The step-time model caps the batch at this share of the TPOT target, leaving
-# room for the prefill chunks that share decode steps.
+# The step limits keep a step at this share of the TPOT target, leaving room
+# for the fit's error and for the minimum prefill chunk.
 TPOT_HEADROOM = 0.9
+# Prefill tokens a step may always carry, even when the decodes fill the step
+# budget: otherwise a full batch would stall every waiting prompt (TTFT grows
+# without bound). At least one KV block, so each chunk completes a block the
+# prefix cache can register.
+MIN_PREFILL_CHUNK_TOKENS = 16
+# Fewer measured steps (decayed count) than this would fit three
+# coefficients to the noise of the first few shapes.
+MIN_FIT_STEPS = 8
+# A factor whose (decayed) variance is below this never varied: its slope is
+# not identified by the steps seen (counts are integers, so real variation is
+# far above it).
+MIN_FACTOR_VARIANCE = 1e-3
+# Decode seqs and prefill tokens count as collinear when their correlation^2
+# exceeds 1 - this.
+COLLINEAR_TOLERANCE = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,43 +161,120 @@ class BusyRate:
         return total / (self.tau_s * (1.0 - math.exp(-busy_s / self.tau_s)))
 
 
+class StepLimits(NamedTuple):
+    """What `Scheduler.set_step_limits` takes; None = the config's budget."""
+
+    max_running: int
+    max_batched_tokens: int | None
+
+
+class StepFit(NamedTuple):
+    """step_s ~= intercept_s + per_decode_seq_s * num_decode_seqs
+    + per_prefill_token_s * num_prefill_tokens. A slope is None while the
+    steps seen never varied its feature (unidentified), 0.0 when they did and
+    showed no cost."""
+
+    intercept_s: float
+    per_decode_seq_s: float | None
+    per_prefill_token_s: float | None
+
+
 class StepTimeModel:
-    """step_s ~= a + b * num_batched_tokens, fitted on decayed sums of the
-    measured engine steps; answers how many decoding sequences fit the TPOT."""
+    """Two-factor least squares of measured engine steps on exponentially
+    decayed sums (recent steps count most).
+
+    Decode sequences and prefill tokens are separate factors because they
+    cost very differently per token: a prefill token shares the weight read
+    with a whole chunk, a decode sequence pays its own KV read and sampling.
+    Fitting one slope over both lets 512-token prefill chunks flatten the
+    slope and inflate the decode cap."""
 
     def __init__(self, decay: float = 0.98) -> None:
         self._decay = decay
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        # Decayed sums: weight, then first and second moments of
+        # (d = decode seqs, p = prefill tokens, y = step seconds).
+        self._w = self._d = self._p = self._y = 0.0
+        self._dd = self._pp = self._dp = self._dy = self._py = 0.0
 
-    def observe(self, num_batched_tokens: int, step_s: float) -> None:
-        d = self._decay
-        x, y = float(num_batched_tokens), float(step_s)
-        self._w = self._w * d + 1.0
-        self._x = self._x * d + x
-        self._y = self._y * d + y
-        self._xx = self._xx * d + x * x
-        self._xy = self._xy * d + x * y
+    def observe(self, num_decode_seqs: int, num_prefill_tokens: int, step_s: float) -> None:
+        k = self._decay
+        d, p, y = float(num_decode_seqs), float(num_prefill_tokens), float(step_s)
+        self._w = self._w * k + 1.0
+        self._d, self._p, self._y = self._d * k + d, self._p * k + p, self._y * k + y
+        self._dd, self._pp, self._dp = self._dd * k + d * d, self._pp * k + p * p, self._dp * k + d * p
+        self._dy, self._py = self._dy * k + d * y, self._py * k + p * y
 
     @property
     def mean_step_s(self) -> float | None:
         return self._y / self._w if self._w else None
 
-    def max_tokens_within(self, step_budget_s: float) -> int | None:
-        """Largest batch (tokens) whose predicted step fits the budget; None
-        while nothing says the budget binds."""
-        if not self._w:
+    @property
+    def mean_decode_seqs(self) -> float | None:
+        return self._d / self._w if self._w else None
+
+    @property
+    def upper_bound_per_prefill_token_s(self) -> float | None:
+        """Step seconds per prefill token with the whole step charged to its
+        prefill; None before a step with prefill."""
+        return self._y / self._p if self._p else None
+
+    def fit(self) -> StepFit | None:
+        """Least-squares coefficients, all >= 0; None before MIN_FIT_STEPS.
+
+        Solves the normal equations of (1, d, p) in centred form (the
+        intercept drops out, leaving 2x2). A factor whose variance is ~0 is
+        left out (its slope None: unidentified). If the intercept comes out
+        negative, the cost is not linear over the shapes seen (a small
+        prefill costs what a decode does, a large one is compute-bound), and
+        the slopes are refitted through the origin instead."""
+        w = self._w
+        if w < MIN_FIT_STEPS:
             return None
-        mean_x, mean_y = self._x / self._w, self._y / self._w
-        var_x = self._xx / self._w - mean_x * mean_x
-        if var_x > 1.0:
-            slope = (self._xy / self._w - mean_x * mean_y) / var_x
-            if slope > 0:
-                intercept = mean_y - slope * mean_x
-                return max(1, math.floor((step_budget_s - intercept) / slope))
-        if mean_y <= step_budget_s:
-            return None
-        # One batch size seen and it is too slow: scale down proportionally.
-        return max(1, math.floor(mean_x * step_budget_s / mean_y))
+        mean = {"d": self._d / w, "p": self._p / w}
+        mean_y = self._y / w
+        raw_xx = {"dd": self._dd / w, "pp": self._pp / w, "dp": self._dp / w}
+        raw_xy = {"d": self._dy / w, "p": self._py / w}
+        centred_xx = {"dd": raw_xx["dd"] - mean["d"] ** 2, "pp": raw_xx["pp"] - mean["p"] ** 2,
+                      "dp": raw_xx["dp"] - mean["d"] * mean["p"]}
+        centred_xy = {f: raw_xy[f] - mean[f] * mean_y for f in ("d", "p")}
+        identified = [f for f in ("d", "p") if centred_xx[f + f] > MIN_FACTOR_VARIANCE]
+        slopes = _nonnegative_slopes(identified, centred_xx, centred_xy)
+        intercept_s = mean_y - sum(slopes[f] * mean[f] for f in identified)
+        if intercept_s < 0:
+            slopes, intercept_s = _nonnegative_slopes(identified, raw_xx, raw_xy), 0.0
+        per_decode_s, per_prefill_s = slopes.get("d"), slopes.get("p")
+        if per_decode_s is not None and per_prefill_s is not None:
+            # A decode runs its token through the same weights a prefill token
+            # does, plus its own KV read and sampling: never cheaper. Noisy
+            # steps can fit a slope of ~0, which would lift the cap to
+            # max_num_seqs at once.
+            per_decode_s = max(per_decode_s, per_prefill_s)
+        return StepFit(intercept_s, per_decode_s, per_prefill_s)
+
+
+def _nonnegative_slopes(factors: list[str], xx: dict, xy: dict) -> dict[str, float]:
+    """Least-squares slopes of step time on `factors` ("d", "p") from their
+    second moments xx ("dd", "pp", "dp") and xy. A negative slope (a bigger
+    batch is never faster) is set to 0 and the rest refitted; of two
+    collinear factors prefill is dropped, since the running cap needs the
+    decode slope."""
+    slopes = dict.fromkeys(factors, 0.0)
+    active = list(factors)
+    det = xx["dd"] * xx["pp"] - xx["dp"] ** 2
+    if len(active) == 2 and det <= COLLINEAR_TOLERANCE * xx["dd"] * xx["pp"]:
+        active.remove("p")
+    while active:
+        if len(active) == 1:
+            solved = {active[0]: xy[active[0]] / xx[active[0] * 2]}
+        else:
+            solved = {"d": (xy["d"] * xx["pp"] - xy["p"] * xx["dp"]) / det,
+                      "p": (xy["p"] * xx["dd"] - xy["d"] * xx["dp"]) / det}
+        negative = [f for f in active if solved[f] < 0]
+        if not negative:
+            slopes.update(solved)
+            break
+        active.remove(min(negative, key=solved.get))
+    return slopes
 
 
 class AdmissionController:
@@ -231,11 +325,62 @@ class AdmissionController:
         return sum(1 for t in self._tickets.values() if tenant is None or t.request.tenant == tenant)
 
     def running_cap(self) -> int:
-        """Running-batch cap that keeps the measured decode step inside the
-        TPOT target (at most max_num_seqs, at least 1)."""
+        """Largest running batch B whose predicted decode step
+        (intercept + per_decode_seq * B) fits the TPOT target with headroom;
+        at least 1, at most max_num_seqs (also while nothing is measured)."""
         budget_s = self.config.tpot_slo_s * TPOT_HEADROOM
-        tokens = self.step_model.max_tokens_within(budget_s)
-        return self.max_num_seqs if tokens is None else max(1, min(self.max_num_seqs, tokens))
+        fit = self.step_model.fit()
+        if fit is None:
+            return self.max_num_seqs
+        if fit.per_decode_seq_s is None:
+            return self._cap_from_one_batch_size(fit.intercept_s, budget_s)
+        if fit.per_decode_seq_s == 0:  # no cost per sequence over the sizes seen
+            return self.max_num_seqs if fit.intercept_s <= budget_s else 1
+        cap = math.floor((budget_s - fit.intercept_s) / fit.per_decode_seq_s)
+        return max(1, min(self.max_num_seqs, cap))
+
+    def _cap_from_one_batch_size(self, decode_step_s: float, budget_s: float) -> int:
+        """One decode batch size seen; its step (without prefill) took
+        `decode_step_s`. No decodes at all: nothing measured, no cap. Too
+        slow: scale the batch down in proportion. Fast enough: let it grow by
+        one sequence, not to max_num_seqs at once, so a burst cannot start
+        before the next batch size is measured."""
+        mean_seqs = self.step_model.mean_decode_seqs
+        if mean_seqs < 0.5:
+            return self.max_num_seqs
+        if decode_step_s > budget_s:
+            cap = math.floor(mean_seqs * budget_s / decode_step_s)
+        else:
+            cap = round(mean_seqs) + 1
+        return max(1, min(self.max_num_seqs, cap))
+
+    def prefill_token_budget(self, num_decode_seqs: int) -> int | None:
+        """Prefill tokens that fit the step budget beside `num_decode_seqs`
+        decodes, at least the minimum chunk; None while no prefill was
+        measured or its cost does not bind (the scheduler's own budget)."""
+        budget_s = self.config.tpot_slo_s * TPOT_HEADROOM
+        min_chunk = max(self.block_size, MIN_PREFILL_CHUNK_TOKENS)
+        fit = self.step_model.fit()
+        if fit is None or fit.per_prefill_token_s is None:
+            # Not fitted yet: charge each step's whole time to its prefill
+            # tokens, an upper bound on their cost. Without it the first
+            # full-size chunks (seconds on a slow machine) let a burst of
+            # arrivals start before the running cap is measured.
+            per_token_s = self.step_model.upper_bound_per_prefill_token_s
+            if per_token_s is None:
+                return None
+            return max(min_chunk, math.floor(budget_s / per_token_s))
+        if fit.per_prefill_token_s == 0:
+            return None
+        left_s = budget_s - fit.intercept_s - (fit.per_decode_seq_s or 0.0) * num_decode_seqs
+        return max(min_chunk, math.floor(left_s / fit.per_prefill_token_s))
+
+    def step_limits(self, num_running: int) -> StepLimits:
+        """Limits for the next step when `num_running` sequences are running:
+        every one of them may decode, so the token budget is num_running plus
+        the prefill that fits beside them (None: the scheduler's own)."""
+        prefill = self.prefill_token_budget(num_running)
+        return StepLimits(self.running_cap(), None if prefill is None else num_running + prefill)
 
     def max_wait_s(self, priority: int) -> float:
         """The class's limit: deferred classes (priority > 0) wait longer."""
@@ -444,10 +589,11 @@ class AdmissionController:
         return [(rid, t.start_by_reason) for rid, t in self._tickets.items()
                 if not t.started and t.start_by is not None and now > t.start_by]
 
-    def observe_step(self, num_batched_tokens: int, step_s: float) -> None:
-        """Feed one measured engine step (for the running-batch cap)."""
-        if num_batched_tokens > 0 and step_s >= 0:
-            self.step_model.observe(num_batched_tokens, step_s)
+    def observe_step(self, num_decode_seqs: int, num_prefill_tokens: int, step_s: float) -> None:
+        """Feed one measured engine step (for the running cap and the
+        prefill token budget); empty steps are ignored."""
+        if num_decode_seqs + num_prefill_tokens > 0 and step_s >= 0:
+            self.step_model.observe(num_decode_seqs, num_prefill_tokens, step_s)
 
     def _advance(self, now: float, busy: bool) -> None:
         for rate in (self._drain_blocks, self._drain_requests, self._admissions):

@@ -2,7 +2,8 @@
 by recompute.
 
 Each step builds one forward pass under a token budget
-(`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`):
+(`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`), both
+lowered at run time by `set_step_limits`:
 1. running requests that decode get their one token first, most urgent first;
 2. running requests part-way through their prompt continue their chunk;
 3. waiting requests start in policy order (scheduler/policy.py), their
@@ -49,6 +50,15 @@ class ScheduledChunk(NamedTuple):
     def end(self) -> int:
         return self.start + self.num_new_tokens
 
+    @property
+    def is_decode(self) -> bool:
+        """One new token on top of computed context. Defined by the step's
+        cost shape, not by why the token runs: the last token of a prompt or
+        of a recompute costs what a generated token's step does. Everything
+        else (prefill, chunks of it, recompute after preemption) is prefill.
+        The server, the simulator and the cost model all use this one rule."""
+        return self.num_new_tokens == 1 and self.start > 0
+
 
 @dataclass
 class SchedulerOutput:
@@ -62,6 +72,14 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    @property
+    def num_decode_seqs(self) -> int:
+        return sum(1 for c in self.chunks if c.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks if not c.is_decode)
 
 
 class SchedulerStats(NamedTuple):
@@ -88,6 +106,7 @@ class Scheduler:
         self.running: dict[str, Request] = {}  # insertion-ordered
         self._requests: dict[str, Request] = {}  # every unfinished request
         self.max_running = scheduler_config.max_num_seqs
+        self.max_batched_tokens = scheduler_config.max_num_batched_tokens
         self.num_preemptions = 0
 
     # -- requests in and out ---------------------------------------------------
@@ -114,11 +133,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    def set_max_running(self, max_running: int) -> None:
-        """Cap the running batch below max_num_seqs (admission uses this to keep
-        decode step time inside the TPOT target). Running requests above a
-        lowered cap are not evicted; no new ones start until below it."""
+    def set_step_limits(self, max_running: int, max_batched_tokens: int | None) -> None:
+        """Cap the running batch below max_num_seqs and the tokens of one step
+        below max_num_batched_tokens (None: the config's); admission uses this
+        to keep step time inside the TPOT target. Running requests above a
+        lowered cap are not evicted; no new ones start until below it. The
+        token cap covers the whole step, decodes first."""
         self.max_running = max(1, min(max_running, self.config.max_num_seqs))
+        limit = self.config.max_num_batched_tokens
+        self.max_batched_tokens = limit if max_batched_tokens is None else max(1, min(max_batched_tokens, limit))
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish a request from outside (abort, stop string): its KV is freed at
@@ -152,7 +175,7 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, now: float) -> int:
-        budget = self.config.max_num_batched_tokens
+        budget = self.max_batched_tokens
         by_urgency = sorted(self.running.values(), key=_urgency)
         decodes, prefills = [], []
         for request in by_urgency:

@@ -22,7 +22,7 @@ from kvserve.config import AdmissionConfig, ServerConfig
 from kvserve.contract import InvalidParameter, Request, ResolvedVersions
 from kvserve.engine.async_engine import AsyncEngine, Finished, RequestStream, StepReport
 from kvserve.metrics import ServerMetrics
-from kvserve.scheduler.admission import AdmissionController, AdmissionRequest
+from kvserve.scheduler.admission import AdmissionController, AdmissionRequest, StepLimits
 from kvserve.server import protocol
 from kvserve.server.tenants import Tenant, TenantDirectory
 
@@ -94,13 +94,14 @@ class Serving:
         self.vocab_size = core.model_config.vocab_size
         self.model_name = server_config.served_model_name
         self.max_model_len = core.max_model_len
+        self.max_num_batched_tokens = core.scheduler.config.max_num_batched_tokens
         kv = core.scheduler.kv_cache
         self.admission = AdmissionController(admission_config, kv.num_blocks, kv.block_size,
                                              core.scheduler.config.max_num_seqs, clock, self.tenants.limits())
         self.metrics = ServerMetrics(self.model_name, admission_config.ttft_slo_s, admission_config.tpot_slo_s)
         self.engine = AsyncEngine(core, on_step=self._on_step)
         self._contexts: dict[str, _Context] = {}
-        self._running_cap = core.scheduler.config.max_num_seqs
+        self._step_limits = StepLimits(core.scheduler.config.max_num_seqs, None)
         self._watchdog: asyncio.Task | None = None
         self.started = False
         self.draining = False
@@ -153,17 +154,25 @@ class Serving:
             self.admission.on_start(rid)
         for done in report.finished:
             self._on_finished(done)
-        if report.num_batched_tokens:
-            self.admission.observe_step(report.num_batched_tokens, report.step_s)
+        self.admission.observe_step(report.num_decode_seqs, report.num_prefill_tokens, report.step_s)
+        num_running = 0
         if report.stats is not None:
             s = report.stats
+            num_running = s.num_running
             self.metrics.record_stats(s.num_running, s.num_waiting, s.kv_usage, s.num_preemptions,
                                       s.prefix_cache_queries, s.prefix_cache_hits)
-        cap = self.admission.running_cap()
-        if cap != self._running_cap:
-            self._running_cap = cap
-            self.engine.set_max_running(cap)
-        self.metrics.running_cap.set(cap)
+        self._push_step_limits(num_running)
+
+    def _push_step_limits(self, num_running: int) -> None:
+        """The same limits the simulator sets before each step."""
+        limits = self.admission.step_limits(num_running)
+        if limits != self._step_limits:
+            self._step_limits = limits
+            self.engine.set_step_limits(*limits)
+        self.metrics.running_cap.set(limits.max_running)
+        tokens = limits.max_batched_tokens
+        self.metrics.step_token_budget.set(self.max_num_batched_tokens if tokens is None
+                                           else min(tokens, self.max_num_batched_tokens))
 
     def _on_finished(self, done: Finished) -> None:
         context = self._contexts.pop(done.request_id, None)

@@ -39,14 +39,12 @@ class StepShape(NamedTuple):
 
 
 def chunk_shape(chunks) -> StepShape:
-    """Shape of a batch of `ScheduledChunk`s (`start`, `num_new_tokens`).
-
-    A one-token chunk past position 0 is a decode; anything else is prefill
-    (including recompute after preemption, which is prefill again)."""
+    """Shape of a batch of `ScheduledChunk`s; decode vs prefill is
+    `ScheduledChunk.is_decode` (the same rule the server's step model uses)."""
     prefill = decode = kv_read = pairs = 0
     for chunk in chunks:
         n, start = chunk.num_new_tokens, chunk.start
-        if n == 1 and start > 0:
+        if chunk.is_decode:
             decode += 1
         else:
             prefill += n

@@ -314,7 +314,8 @@ class Simulator:
         now = self.clock.now_s
         if replica.admission is not None:
             self._expire(replica)
-            replica.scheduler.set_max_running(replica.admission.running_cap())
+            limits = replica.admission.step_limits(len(replica.scheduler.running))
+            replica.scheduler.set_step_limits(*limits)
         out = replica.scheduler.schedule()
         for request in out.finished:  # outgrew the whole cache: ends with what it has
             self._end(request.request_id, "success", 200, None)
@@ -322,7 +323,8 @@ class Simulator:
             replica.in_flight = None
             return
         if replica.trace is not None:
-            replica.trace.append(("schedule", now, replica.scheduler.max_running,
+            sched = replica.scheduler
+            replica.trace.append(("schedule", now, (sched.max_running, sched.max_batched_tokens),
                                   [(c.request.request_id, c.start, c.num_new_tokens, c.samples)
                                    for c in out.chunks], list(out.preempted_ids)))
         if replica.admission is not None:
@@ -346,7 +348,7 @@ class Simulator:
         replica.num_steps += 1
         replica.busy_s += step_s
         if replica.admission is not None:
-            replica.admission.observe_step(out.num_batched_tokens, step_s)
+            replica.admission.observe_step(out.num_decode_seqs, out.num_prefill_tokens, step_s)
         for request in progressed:
             if request.is_finished:
                 self._end(request.request_id, "success", 200, None)

@@ -289,15 +289,17 @@ class Scheduler:
         stamps.token_times.append(now)
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        # Runs for every decoding request every step: plain len() calls, no properties.
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
             if token_id == request.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens:
+        if num_output >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
+        if len(request.prompt_token_ids) + num_output >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

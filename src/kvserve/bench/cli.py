@@ -308,7 +308,8 @@ def _run_sweep(args: argparse.Namespace, config: ClientConfig, builder: PromptBu
 
 # --- --spawn -------------------------------------------------------------------
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for spawning a local server)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -320,13 +321,13 @@ def _server(args: argparse.Namespace):
     if not args.spawn:
         yield args.base_url
         return
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1",
                "--port", str(port), *args.spawn_arg]
     print(f"spawning: {' '.join(command)}", file=sys.stderr)
     process = subprocess.Popen(command)
     try:
-        _wait_ready(f"http://127.0.0.1:{port}", process, args.spawn_timeout)
+        wait_ready(f"http://127.0.0.1:{port}", process, args.spawn_timeout)
         yield f"http://127.0.0.1:{port}"
     finally:
         process.terminate()
@@ -337,7 +338,8 @@ def _server(args: argparse.Namespace):
             process.wait()
 
 
-def _wait_ready(base_url: str, process: subprocess.Popen, timeout_s: float) -> None:
+def wait_ready(base_url: str, process: subprocess.Popen, timeout_s: float) -> None:
+    """Poll GET /ready of a spawned server; RuntimeError if it exits or times out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:

@@ -13,7 +13,6 @@ writes the same report.json as `kvserve bench`.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable

@@ -73,7 +73,7 @@ def test_chunked_prefill_under_a_32_token_budget_matches_hf(hf_model):
     final, step_sizes = {}, []
     while engine.has_unfinished():
         final.update({o.request_id: o for o in engine.step() if o.finished})
-        step_sizes.append(engine.last_num_batched_tokens)
+        step_sizes.append(engine.last_scheduled.num_batched_tokens)
     # The 90-token prompt can only have run in chunks of at most 32 tokens.
     assert max(step_sizes) == 32
     assert_matches_hf(hf_model, prompts, [final[r.request_id] for r in requests])

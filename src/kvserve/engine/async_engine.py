@@ -186,7 +186,8 @@ class AsyncEngine:
                 self._pending_start.discard(output.request_id)
                 finished.append(Finished(output.request_id, output.finish_reason or "stop",
                                          len(output.token_ids), output.timestamps))
-        report = StepReport(step_s, self.core.last_num_decode_seqs, self.core.last_num_prefill_tokens,
+        last = self.core.last_scheduled
+        report = StepReport(step_s, last.num_decode_seqs, last.num_prefill_tokens,
                             started, finished, self._stats())
         self._post(outputs, report)
 

@@ -88,11 +88,9 @@ class EngineCore:
         self.eos_token_id = tokenizer.eos_token_id
         self._states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
-        # Shape of the latest step's forward pass (tokens; decode seqs +
-        # prefill tokens = batched tokens), for the step-time model.
-        self.last_num_batched_tokens = 0
-        self.last_num_decode_seqs = 0
-        self.last_num_prefill_tokens = 0
+        # The latest step's batch: its shape (decode sequences, prefill
+        # tokens) feeds the server's step-time model.
+        self.last_scheduled = SchedulerOutput()
 
     # -- requests in and out -------------------------------------------------
     def new_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
@@ -139,9 +137,7 @@ class EngineCore:
         """Run one forward pass; outputs for every request that got a token or finished."""
         scheduled = self.scheduler.schedule()
         sampled = self.runner.execute(scheduled)
-        self.last_num_batched_tokens = scheduled.num_batched_tokens
-        self.last_num_decode_seqs = scheduled.num_decode_seqs
-        self.last_num_prefill_tokens = scheduled.num_prefill_tokens
+        self.last_scheduled = scheduled
         return self._process(scheduled, sampled)
 
     def _process(self, scheduled: SchedulerOutput, sampled: SamplerOutput) -> list[RequestOutput]:

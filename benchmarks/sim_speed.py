@@ -38,6 +38,8 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=50.0, help="requests/s")
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--profile", action="store_true", help="print the top functions by time")
+    parser.add_argument("--no-fast-forward", action="store_true",
+                        help="single steps only (no multi-step decode runs), for comparison")
     args = parser.parse_args()
 
     spec = preset("llama-3.1-8b")
@@ -46,7 +48,8 @@ def main() -> int:
     num_blocks = budget.kv_bytes // (kv_math.kv_bytes_per_token(spec.config, 2) * 16)
     config = SimConfig(SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=8192),
                        CacheConfig(num_blocks=num_blocks), AdmissionConfig(),
-                       num_replicas=args.replicas, router="least-queue", exact_token_events=False)
+                       num_replicas=args.replicas, router="least-queue", exact_token_events=False,
+                       fast_forward=not args.no_fast_forward)
     cost = RooflineCostModel(spec.config, h100)
     t0 = time.perf_counter()
     offsets = arrival_offsets(parse_arrival("poisson", args.rate), None, args.seconds, seed=0)

@@ -15,6 +15,12 @@ step (possibly the one asking): its blocks are freed and it returns to the
 front of its class's waiting queue; prefix-cache hits may restore part of its
 work when it resumes. Waiting requests never preempt running ones.
 
+Multi-step decode (`plan_decode_run` -> `DecodeRun`): a steady pure-decode
+batch advances several steps with Python work per block boundary and per
+finish instead of per sequence per step, leaving the same state as single
+steps. The simulator uses it (every step samples one known token); the
+engine keeps schedule() / update().
+
 Pure Python: the clock is injected, no torch.
 """
 
@@ -259,6 +265,40 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running[request.request_id] = request
 
+    def plan_decode_run(self, max_steps: int, token_id: int) -> DecodeRun | None:
+        """Up to `max_steps` decode steps of the running batch as one
+        `DecodeRun`, when every step samples `token_id` and nothing inside
+        the scheduler can change those steps' decisions: no request waits
+        (none could start), every running request decodes (no prefill
+        left), the token budget holds the whole batch, and each step's new
+        blocks surely fit (the run stops before the first step that might
+        preempt). The caller must keep each step's token budget >= the
+        running batch, must not abort a request or change limits during the
+        run (end it first with `in_flight_output`), and after adding a
+        request must end the run with the step in flight (`update_step`,
+        then `close`): adding only queues it. None when not steady. No
+        state change."""
+        if max_steps < 1 or not self.running or len(self.waiting) \
+                or len(self.running) > self.max_batched_tokens:
+            return None
+        batch = sorted(self.running.values(), key=_urgency)
+        if any(r.num_tokens - r.num_computed_tokens != 1 for r in batch):
+            return None
+        run = DecodeRun(self, batch, token_id, max_steps)
+        return run if run.num_steps > 0 else None
+
+    def _steps_until_stop(self, request: Request, token_id: int) -> int:
+        """Decode steps until `request` stops when every step samples
+        `token_id`: the first count at which `_stop_status` (the same three
+        rules, in closed form) returns a status."""
+        params = request.sampling_params
+        num_output = len(request.output_token_ids)
+        steps = min(params.max_tokens - num_output,
+                    self.config.max_model_len - len(request.prompt_token_ids) - num_output)
+        if (token_id == request.eos_token_id and not params.ignore_eos) or token_id in params.stop_token_ids:
+            steps = min(steps, params.min_tokens - num_output)
+        return max(1, steps)
+
     def update(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> list[Request]:
         """Apply a step's results: advance progress, append sampled tokens, finish
         and free requests that stop. Returns the requests that received a token."""
@@ -309,3 +349,151 @@ class Scheduler:
         self.running.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
         self.kv_cache.free(request)
+
+
+class DecodeRun:
+    """Several consecutive steps of an unchanging pure-decode batch, applied
+    with Python work per event (a block boundary, a finish) instead of per
+    running request per step: vLLM's multi-step scheduling, for callers that
+    know every step samples the same token (the simulator).
+
+    Made only by `Scheduler.plan_decode_run`, when nothing can change the
+    next `num_steps` decisions. Drive it as the engine drives a step, in
+    order, for i = 0, 1, ...: `schedule_step(i)` when step i starts, then
+    `update_step(i, now)` when it ends. After each call the KV cache (block
+    tables, prefix-cache registrations, free and evictable blocks), the
+    running set and every finished request are exactly what schedule() /
+    update() would have left. The progress of a request with no event in a
+    step (num_computed_tokens, output tokens, token timestamps) lags until
+    `in_flight_output` or `close` brings every request up to date.
+    """
+
+    def __init__(self, scheduler: Scheduler, batch: list[Request], token_id: int, max_steps: int) -> None:
+        self._scheduler = scheduler
+        self._kv = scheduler.kv_cache
+        self._token_id = token_id
+        self.requests = batch  # schedule()'s chunk order: most urgent first
+        self._start = [r.num_computed_tokens for r in batch]
+        self._synced = [0] * len(batch)  # steps applied to each request's fields
+        self.end_times: list[float] = []  # of the steps updated so far
+        # Per request: the step that ends it (may lie past the run).
+        self._last_step = [scheduler._steps_until_stop(r, token_id) - 1 for r in batch]
+        self._allocations: dict[int, list[int]] = {}  # step -> request indexes needing a block
+        self._updates: dict[int, list[int]] = {}  # step -> indexes that fill a block or finish
+        self.num_steps = self._plan(max_steps)
+        self.shapes = self._step_shapes()
+
+    def _plan(self, max_steps: int) -> int:
+        """Collect the steps' events; return how many steps surely fit the KV
+        cache (stopping before the first step whose new blocks might not fit,
+        so a preemption still happens in an ordinary step)."""
+        max_steps = min(max_steps, max(self._last_step) + 1)  # no step after the batch is done
+        block_size = self._kv.block_size
+        caching = self._kv.enable_prefix_caching
+        freed: dict[int, int] = {}
+        for index, request in enumerate(self.requests):
+            computed = self._start[index]
+            last = min(self._last_step[index], max_steps - 1)
+            held_tokens = self._kv.num_held_blocks(request.request_id) * block_size
+            # Step i runs token computed + i: it needs a new block when that
+            # position passes the blocks held, then every block_size steps.
+            crossings = range(max(0, held_tokens - computed), last + 1, block_size)
+            for i in crossings:
+                self._allocations.setdefault(i, []).append(index)
+            if caching:  # step i completes a block when computed + i + 1 is a multiple
+                for i in range(-(computed + 1) % block_size, last + 1, block_size):
+                    self._updates.setdefault(i, []).append(index)
+            if self._last_step[index] < max_steps:
+                updates = self._updates.setdefault(last, [])
+                if not updates or updates[-1] != index:
+                    updates.append(index)
+                # Only its blocks from this run are surely its alone (shared
+                # prefix blocks may stay held): a lower bound on what it frees.
+                freed[last] = freed.get(last, 0) + len(crossings)
+        available = self._kv.num_free_blocks
+        for i in range(max_steps):
+            need = len(self._allocations.get(i, ()))
+            if need > available:
+                return i
+            available += freed.get(i, 0) - need
+        return max_steps
+
+    def _step_shapes(self) -> list[tuple[int, int]]:
+        """(decoding sequences, KV tokens read) of each step: a request at
+        context c reads c + 1 tokens and computes one query over them."""
+        ending: dict[int, list[int]] = {}
+        for index, last in enumerate(self._last_step):
+            if last < self.num_steps:
+                ending.setdefault(last, []).append(index)
+        active, context = len(self.requests), sum(self._start)
+        shapes = []
+        for i in range(self.num_steps):
+            shapes.append((active, context + active * (i + 1)))
+            for index in ending.get(i, ()):
+                active -= 1
+                context -= self._start[index]
+        return shapes
+
+    def batch_at(self, step: int) -> list[tuple[Request, int]]:
+        """(request, first position run) of every request in step `step`."""
+        return [(r, self._start[i] + step) for i, r in enumerate(self.requests) if self._last_step[i] >= step]
+
+    def schedule_step(self, step: int) -> None:
+        """Allocate the blocks step `step` needs (what schedule() does for it)."""
+        for index in self._allocations.get(step, ()):
+            self._sync(index, step)
+            if self._kv.allocate_slots(self.requests[index], 1) is None:
+                raise AssertionError("a planned decode step ran out of KV blocks")
+
+    def update_step(self, step: int, now: float) -> list[Request]:
+        """Apply step `step`'s results at `now` (what update() does for it):
+        register completed blocks, finish requests that stop. Returns the
+        requests finished, in batch order."""
+        if len(self.end_times) != step:
+            raise ValueError(f"update_step({step}) after {len(self.end_times)} updated steps")
+        self.end_times.append(now)
+        finished = []
+        for index in self._updates.get(step, ()):
+            request = self.requests[index]
+            self._sync(index, step + 1)
+            self._kv.cache_computed_blocks(request)
+            if self._last_step[index] == step:
+                status = self._scheduler._stop_status(request, self._token_id)
+                if status is None:
+                    raise AssertionError(f"{request.request_id} planned to stop at step {step} but does not")
+                self._scheduler._finish(request, status, now)
+                finished.append(request)
+        return finished
+
+    def in_flight_output(self, step: int) -> SchedulerOutput:
+        """End the run early after schedule_step(step): bring every request up
+        to date and return the step's output for the ordinary update()."""
+        out = SchedulerOutput()
+        for index, request in enumerate(self.requests):
+            if request.status == RequestStatus.RUNNING:
+                self._sync(index, step)
+                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, 1,
+                                                 self._kv.block_ids(request.request_id), True))
+        out.num_batched_tokens = len(out.chunks)
+        return out
+
+    def close(self) -> None:
+        """After the last update_step: bring every request up to date."""
+        for index, request in enumerate(self.requests):
+            if request.status == RequestStatus.RUNNING:
+                self._sync(index, len(self.end_times))
+
+    def _sync(self, index: int, num_steps: int) -> None:
+        """Apply the first `num_steps` steps' tokens to request `index`."""
+        done = self._synced[index]
+        if num_steps <= done:
+            return
+        request = self.requests[index]
+        times = self.end_times[done:num_steps]
+        request.num_computed_tokens += num_steps - done
+        request.output_token_ids.extend([self._token_id] * (num_steps - done))
+        stamps = request.timestamps
+        if stamps.first_token is None:
+            stamps.first_token = times[0]
+        stamps.token_times.extend(times)
+        self._synced[index] = num_steps

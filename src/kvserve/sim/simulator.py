@@ -14,6 +14,16 @@ event loop is the engine's step (schedule -> execute -> update) with
     cancel    -> scheduler.abort() (the client's cancel_after_s)
     autoscale -> maybe add a replica, ready after a cold start
 
+Fast forward (multi-step decode): when a replica's batch is a steady pure
+decode, the real scheduler plans a `DecodeRun` of several steps and the
+replica applies them lazily, each at the time it would have run, whenever
+the simulation next looks at that replica (an arrival, a cancel, an
+autoscale check, the run's end). A request added to the replica ends the
+run after its in-flight step; a cancel ends it at once, handing the
+in-flight step to the ordinary update(). Each replica reads its own clock,
+so a step applied late still sees its own time. Timestamps, outcomes, preemptions and admission
+decisions are those of single steps (tests/test_sim_fast_forward.py).
+
 Sampled tokens are a fixed non-EOS id and requests run with ignore_eos and
 max_tokens = the workload's output length, so output lengths follow the
 workload exactly. Every request ends as a `bench.report.RequestRecord`, so
@@ -22,6 +32,7 @@ workload exactly. Every request ends as a `bench.report.RequestRecord`, so
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -31,8 +42,8 @@ from kvserve.bench.workload import RequestSpec
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
 from kvserve.contract import Request, SamplingParams
 from kvserve.scheduler.admission import AdmissionController, AdmissionRequest
-from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput
-from kvserve.sim.cost_model import CostModel, chunk_shape
+from kvserve.scheduler.scheduler import DecodeRun, Scheduler, SchedulerOutput
+from kvserve.sim.cost_model import CostModel, StepShape, chunk_shape
 from kvserve.sim.router import Router
 
 # The token every simulated step "samples": any id that is not EOS works,
@@ -40,6 +51,10 @@ from kvserve.sim.router import Router
 SIM_TOKEN_ID = 1
 SIM_EOS_TOKEN_ID = 0
 _STEP_DONE, _CANCEL, _AUTOSCALE = 0, 1, 2
+# Decode run lengths planned: a run ended early (the next arrival at its
+# replica) wastes the planning of its remaining steps, so each replica plans
+# about 1.5x the steps its last run used, within these bounds.
+MIN_RUN_STEPS, MAX_RUN_STEPS = 8, 512
 
 
 class VirtualClock:
@@ -91,7 +106,10 @@ class SimConfig:
     False keeps (first, last) per request, which keeps TTFT / TPOT / E2E
     exact and memory flat for hour-long runs, but flattens ITL.
     record_trace: log every scheduler / admission call per replica, to
-    replay them against a fresh scheduler (tests).
+    replay them against a fresh scheduler (tests). A decode run logs the
+    schedule / update pairs of the single steps it stands for.
+    fast_forward: run steady decode batches as multi-step `DecodeRun`s
+    (same results; False for checking that).
     """
 
     scheduler: SchedulerConfig
@@ -103,6 +121,7 @@ class SimConfig:
     exact_token_events: bool = True
     record_trace: bool = False
     cache_namespace: str = "sim"
+    fast_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -116,6 +135,9 @@ class Replica:
     def __init__(self, index: int, config: SimConfig, clock: VirtualClock, ready_s: float) -> None:
         self.index = index
         self.ready_s = ready_s
+        # Its own clock: a decode run's steps are applied when the simulation
+        # next looks at this replica, each at its own (earlier) time.
+        self.clock = clock
         self.scheduler = Scheduler(config.scheduler, config.cache, clock)
         self.trace: list[tuple] | None = [] if config.record_trace else None
         self.admission = None if config.admission is None else AdmissionController(
@@ -125,14 +147,27 @@ class Replica:
             self.admission = _Recorded(self.admission, clock, self.trace)
         self.in_flight: SchedulerOutput | None = None
         self.step_started_s = 0.0
+        self.run: DecodeRun | None = None  # while a decode run is in flight
+        self.run_started_s = 0.0
+        self.run_end_times: list[float] = []
+        self.run_next_update = 0  # steps of the run updated so far
+        self.run_last_step = 0  # the run ends after updating this step
+        self.run_steps_planned = MIN_RUN_STEPS
+        # Bumped per step event pushed, so the event of a run ended early is ignored.
+        self.step_event_id = 0
         self.started_ids: set[str] = set()
         self.num_steps = 0
         self.busy_s = 0.0
 
     @property
+    def busy(self) -> bool:
+        return self.in_flight is not None or self.run is not None
+
+    @property
     def load(self) -> int:
-        stats = self.scheduler.stats()
-        return stats.num_running + stats.num_waiting
+        # What stats() reports as num_running + num_waiting, without building
+        # the whole stats (the router asks every replica at every arrival).
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
 
     def stats(self) -> dict:
         s = self.scheduler.stats()
@@ -179,6 +214,10 @@ class SimResult:
     traces: list[list[tuple]] | None = None
 
 
+def _next_run_length(steps_used: int) -> int:
+    return max(MIN_RUN_STEPS, min(MAX_RUN_STEPS, steps_used + steps_used // 2 + 4))
+
+
 def synth_prompt(spec: RequestSpec) -> list[int]:
     """Token ids for a spec: a group's shared prefix (identical across the
     group, so prefix caching hits), then tokens unique to this request.
@@ -201,7 +240,7 @@ class Simulator:
         self.cost_model = cost_model
         self.clock = VirtualClock()
         self.router = Router(config.router)
-        self.replicas = [Replica(i, config, self.clock, 0.0) for i in range(config.num_replicas)]
+        self.replicas = [Replica(i, config, VirtualClock(), 0.0) for i in range(config.num_replicas)]
         self.timeline: list[tuple[float, int]] = [(0.0, config.num_replicas)]
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
@@ -233,6 +272,8 @@ class Simulator:
                 next_arrival += 1
                 continue
             _, _, kind, payload = heapq.heappop(self._events)
+            if kind == _STEP_DONE and payload[1] != payload[0].step_event_id:
+                continue  # a decode run that ended early
             self.clock.advance_to(event_s)
             self._handle(kind, payload, more_arrivals=next_arrival < len(specs))
         return SimResult(sorted(self._records, key=lambda r: r.index), self.clock.now_s,
@@ -240,13 +281,22 @@ class Simulator:
                          sum(r.num_steps for r in self.replicas),
                          [r.trace for r in self.replicas] if self.config.record_trace else None)
 
+    def _push_step_done(self, replica: Replica, t_s: float) -> None:
+        replica.step_event_id += 1
+        self._push(t_s, _STEP_DONE, (replica, replica.step_event_id))
+
     def _push(self, t_s: float, kind: int, payload: object) -> None:
         self._seq += 1
         heapq.heappush(self._events, (t_s, self._seq, kind, payload))
 
     def _handle(self, kind: int, payload: object, more_arrivals: bool) -> None:
         if kind == _STEP_DONE:
-            self._finish_step(payload)
+            replica = payload[0]
+            if replica.run is not None:
+                self._finish_run(replica)  # moves the replica's clock step by step
+            else:
+                replica.clock.advance_to(self.clock.now_s)
+                self._finish_step(replica)
         elif kind == _CANCEL:
             self._cancel(payload)
         elif kind == _AUTOSCALE:
@@ -256,8 +306,11 @@ class Simulator:
     def _arrive(self, spec: RequestSpec) -> None:
         now = self.clock.now_s
         ready = [r for r in self.replicas if r.ready_s <= now]
+        for r in ready:  # the router reads their load as of now
+            self._catch_up(r)
         group = spec.prefix_group.group_id if spec.prefix_group else None
         replica = ready[self.router.pick(ready, group)]
+        replica.clock.advance_to(now)
         rid = f"r{spec.index}"
         prompt = synth_prompt(spec)
         max_tokens = spec.output_tokens
@@ -269,6 +322,7 @@ class Simulator:
         request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                           arrival_time=now, eos_token_id=SIM_EOS_TOKEN_ID, priority=spec.priority,
                           tenant=spec.tenant, cache_namespace=self._namespace(spec))
+        self._end_run_after_in_flight(replica)
         try:
             replica.scheduler.add_request(request)
         except ValueError as exc:
@@ -281,7 +335,7 @@ class Simulator:
         self._live[rid] = _Live(spec, replica, request)
         if spec.cancel_after_s is not None:
             self._push(now + spec.cancel_after_s, _CANCEL, rid)
-        if replica.in_flight is None:
+        if not replica.busy:
             self._start_step(replica)
 
     def _namespace(self, spec: RequestSpec) -> str:
@@ -311,11 +365,13 @@ class Simulator:
 
     # -- steps -------------------------------------------------------------
     def _start_step(self, replica: Replica) -> None:
-        now = self.clock.now_s
+        now = replica.clock.now_s
         if replica.admission is not None:
             self._expire(replica)
             limits = replica.admission.step_limits(len(replica.scheduler.running))
             replica.scheduler.set_step_limits(*limits)
+        if self.config.fast_forward and self._start_run(replica):
+            return
         out = replica.scheduler.schedule()
         for request in out.finished:  # outgrew the whole cache: ends with what it has
             self._end(request.request_id, "success", 200, None)
@@ -336,10 +392,10 @@ class Simulator:
         step_s = self.cost_model.step_time_s(chunk_shape(out.chunks))
         replica.in_flight = out
         replica.step_started_s = now
-        self._push(now + step_s, _STEP_DONE, replica)
+        self._push_step_done(replica, now + step_s)
 
     def _finish_step(self, replica: Replica) -> None:
-        now = self.clock.now_s
+        now = replica.clock.now_s
         out = replica.in_flight
         sampled = {c.request.request_id: SIM_TOKEN_ID for c in out.chunks if c.samples}
         self._log(replica, ("update", now))
@@ -355,10 +411,111 @@ class Simulator:
         replica.in_flight = None
         self._start_step(replica)
 
+    # -- decode runs (multi-step fast forward) --------------------------------
+    def _start_run(self, replica: Replica) -> bool:
+        """Start a decode run of at least two steps, if the batch is steady.
+        Valid with admission on because, with nothing waiting, no admitted
+        request is unstarted (expired() stays empty), and step_limits gives
+        every running request its decode token (the budget only grows as
+        the batch shrinks), so the steps skip neither call's effect."""
+        scheduler = replica.scheduler
+        run = scheduler.plan_decode_run(replica.run_steps_planned, SIM_TOKEN_ID)
+        if run is None or run.num_steps < 2:
+            return False
+        t = replica.clock.now_s
+        end_times = []
+        for num_seqs, kv_tokens in run.shapes:  # as chunk_shape sums a decode batch
+            t = t + self.cost_model.step_time_s(StepShape(0, num_seqs, kv_tokens, kv_tokens))
+            end_times.append(t)
+        replica.run, replica.run_end_times, replica.run_next_update = run, end_times, 0
+        replica.run_last_step = run.num_steps - 1
+        replica.run_started_s = replica.clock.now_s
+        self._schedule_run_step(replica, 0)
+        self._push_step_done(replica, end_times[-1])
+        return True
+
+    def _schedule_run_step(self, replica: Replica, step: int) -> None:
+        replica.run.schedule_step(step)
+        if replica.trace is not None:
+            sched = replica.scheduler
+            replica.trace.append(("schedule", replica.clock.now_s, (sched.max_running, sched.max_batched_tokens),
+                                  [(r.request_id, start, 1, True) for r, start in replica.run.batch_at(step)],
+                                  []))
+
+    def _update_run_steps(self, replica: Replica, last: int) -> None:
+        """Apply the run's updates up to step `last`, each at its own time, as
+        _finish_step would, then schedule the next step. The hot loop of an
+        hour-long simulation: most steps have no event but the admission
+        controller's step measurement."""
+        run, end_times, clock = replica.run, replica.run_end_times, replica.clock
+        admission, trace = replica.admission, replica.trace
+        step = replica.run_next_update
+        started_s = end_times[step - 1] if step else replica.run_started_s
+        for step in range(step, last + 1):
+            now = end_times[step]
+            clock.advance_to(now)
+            if trace is not None:
+                trace.append(("update", now))
+            finished = run.update_step(step, now)
+            replica.run_next_update = step + 1
+            step_s = now - started_s
+            started_s = now
+            replica.num_steps += 1
+            replica.busy_s += step_s
+            if admission is not None:
+                admission.observe_step(run.shapes[step][0], 0, step_s)
+            for request in finished:
+                self._end(request.request_id, "success", 200, None)
+            if step < replica.run_last_step:
+                if trace is None:
+                    run.schedule_step(step + 1)
+                else:
+                    self._schedule_run_step(replica, step + 1)
+
+    def _catch_up(self, replica: Replica) -> None:
+        """Apply the run's steps that ended before now (an event at the same
+        time as a step's end comes first, as it would with single steps)."""
+        if replica.run is None:
+            return
+        # Steps ending before now, never the last (its own event applies it).
+        last = bisect.bisect_left(replica.run_end_times, self.clock.now_s, hi=replica.run_last_step) - 1
+        if last >= replica.run_next_update:
+            self._update_run_steps(replica, last)
+
+    def _end_run_after_in_flight(self, replica: Replica) -> None:
+        """Before a request is added: the run ends with the step in flight
+        (adding only queues the request; the step after sees it)."""
+        if replica.run is None or replica.run_last_step == replica.run_next_update:
+            return
+        step = replica.run_last_step = replica.run_next_update
+        replica.run_steps_planned = _next_run_length(step + 1)
+        self._push_step_done(replica, replica.run_end_times[step])
+
+    def _end_run_early(self, replica: Replica) -> None:
+        """Before an abort changes the replica's batch: its run's in-flight
+        step becomes an ordinary in-flight step."""
+        if replica.run is None:
+            return
+        step = replica.run_next_update
+        replica.run_steps_planned = _next_run_length(step + 1)
+        replica.in_flight = replica.run.in_flight_output(step)
+        replica.step_started_s = replica.run_end_times[step - 1] if step else replica.run_started_s
+        replica.run = None
+        self._push_step_done(replica, replica.run_end_times[step])
+
+    def _finish_run(self, replica: Replica) -> None:
+        if replica.run_last_step == replica.run.num_steps - 1:
+            replica.run_steps_planned = _next_run_length(replica.run.num_steps)
+        if replica.run_next_update <= replica.run_last_step:
+            self._update_run_steps(replica, replica.run_last_step)
+        replica.run.close()
+        replica.run = None
+        self._start_step(replica)
+
     def _expire(self, replica: Replica) -> None:
         """Admitted requests that did not start in time: the server answers 503."""
         for rid, reason in replica.admission.expired():
-            self._log(replica, ("abort", self.clock.now_s, rid))
+            self._log(replica, ("abort", replica.clock.now_s, rid))
             replica.scheduler.abort(rid)
             self._end(rid, "timed_out", 503, reason)
 
@@ -366,6 +523,11 @@ class Simulator:
         live = self._live.get(rid)
         if live is None:
             return  # already ended
+        self._catch_up(live.replica)
+        if rid not in self._live:
+            return  # it finished in a step of the run before now
+        self._end_run_early(live.replica)
+        live.replica.clock.advance_to(self.clock.now_s)
         self._log(live.replica, ("abort", self.clock.now_s, rid))
         live.replica.scheduler.abort(rid)
         self._end(rid, "cancelled", None, None)
@@ -383,7 +545,7 @@ class Simulator:
         self._records.append(RequestRecord(
             index=spec.index, outcome=outcome, scheduled_s=stamps.arrival, sent_s=stamps.arrival,
             headers_s=stamps.arrival, token_events=self._token_events(stamps.token_times),
-            end_s=self.clock.now_s, status_code=status, reject_reason=reason, tenant=spec.tenant,
+            end_s=replica.clock.now_s, status_code=status, reject_reason=reason, tenant=spec.tenant,
             priority=spec.priority, prompt_tokens=spec.prompt_tokens,
             output_tokens=request.num_output_tokens, expected_output_tokens=spec.output_tokens,
             last_sent_s=stamps.arrival, queue_s=queue_s))
@@ -402,6 +564,8 @@ class Simulator:
         rule = self.config.autoscale
         now = self.clock.now_s
         ready = [r for r in self.replicas if r.ready_s <= now]
+        for r in ready:
+            self._catch_up(r)
         starting = len(self.replicas) - len(ready)
         stats = [r.scheduler.stats() for r in ready]
         mean_kv = sum(s.kv_usage for s in stats) / max(1, len(stats))
@@ -416,7 +580,7 @@ class Simulator:
             if self._warm_left > 0:
                 self._warm_left -= 1
                 delay_s = rule.warm_start_s
-            self.replicas.append(Replica(len(self.replicas), self.config, self.clock, now + delay_s))
+            self.replicas.append(Replica(len(self.replicas), self.config, VirtualClock(now), now + delay_s))
             self.timeline.append((now, len(self.replicas)))
         if more_arrivals or self._live:
             self._push(now + rule.interval_s, _AUTOSCALE, None)

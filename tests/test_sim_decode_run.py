@@ -1,0 +1,139 @@
+"""Multi-step decode (`Scheduler.plan_decode_run`): k single schedule() /
+update() steps and one k-step `DecodeRun` leave identical schedulers."""
+
+import random
+
+import pytest
+
+from kvserve.contract import RequestStatus
+from tests.scheduler_helpers import EOS, NON_EOS, FakeClock, make_request, make_scheduler, step
+
+
+def _steady_batch(seed, num_blocks=400, prefix_caching=True, **request_params):
+    """A scheduler whose running requests have all finished prefill, built the
+    same way every time for a seed."""
+    rng = random.Random(seed)
+    clock = FakeClock()
+    sched, _ = make_scheduler(num_blocks=num_blocks, block_size=4, budget=64, max_seqs=16,
+                              max_model_len=120, prefix_caching=prefix_caching, clock=clock)
+    for i in range(rng.randint(3, 9)):
+        # Some share a prompt (shared prefix blocks, equal block hashes).
+        first = 1 if i % 3 == 0 else 100 * i
+        params = {"max_tokens": rng.randint(1, 60), "ignore_eos": True, **request_params}
+        sched.add_request(make_request(f"r{i}", num_prompt=rng.randint(1, 30), priority=rng.randint(0, 1),
+                                       arrival=0.001 * i, first_token=first, **params))
+    while sched.waiting.peek(clock.now) is not None or any(
+            r.num_tokens - r.num_computed_tokens > 1 for r in sched.running.values()):
+        step(sched, clock, NON_EOS)
+    return sched, clock
+
+
+def _run_all(run, clock, dt=0.01):
+    """Drive a whole run, its step i ending where k single steps of `step`
+    (clock advanced by dt each) would end."""
+    for i in range(run.num_steps):
+        run.schedule_step(i)
+        clock.now += dt
+        run.update_step(i, clock.now)
+    run.close()
+
+
+def _state(sched):
+    kv = sched.kv_cache
+    kv.check_integrity()
+    requests = {rid: (r.num_computed_tokens, list(r.output_token_ids), list(r.timestamps.token_times),
+                      r.timestamps.first_token, list(kv.block_ids(rid)))
+                for rid, r in sched._requests.items()}
+    pool = kv.pool
+    return (requests, list(sched.running), [b.block_id for b in pool._free],
+            list(pool._evictable), sorted((h, b.block_id) for h, b in pool._by_hash.items()),
+            kv.prefix_cache_queries, kv.prefix_cache_hits)
+
+
+def _finished(requests):
+    return {r.request_id: (r.status, r.timestamps.finished, list(r.timestamps.token_times),
+                           r.num_output_tokens) for r in requests if r.is_finished}
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_k_single_steps_and_one_run_leave_identical_schedulers(seed, prefix_caching):
+    single, single_clock = _steady_batch(seed, prefix_caching=prefix_caching)
+    multi, multi_clock = _steady_batch(seed, prefix_caching=prefix_caching)
+    batch = list(single._requests.values())
+    run = multi.plan_decode_run(40, NON_EOS)
+    assert run is not None and run.num_steps >= 10
+    _run_all(run, multi_clock)
+    for _ in range(run.num_steps):
+        out = single.schedule()
+        assert all(c.num_new_tokens == 1 for c in out.chunks) and not out.preempted_ids
+        single_clock.now += 0.01
+        single.update(out, {c.request.request_id: NON_EOS for c in out.chunks})
+    assert _state(multi) == _state(single)
+    assert _finished(run.requests) == _finished(batch)
+    assert any(r.is_finished for r in batch), "some requests must finish inside the run"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_run_ended_early_hands_an_exact_step_to_update(seed):
+    single, single_clock = _steady_batch(seed)
+    multi, multi_clock = _steady_batch(seed)
+    run = multi.plan_decode_run(30, NON_EOS)
+    stop_after = 7
+    for i in range(stop_after):
+        run.schedule_step(i)
+        multi_clock.now += 0.01
+        run.update_step(i, multi_clock.now)
+    run.schedule_step(stop_after)
+    out = run.in_flight_output(stop_after)
+    multi_clock.now += 0.01
+    multi.update(out, {c.request.request_id: NON_EOS for c in out.chunks})
+    for _ in range(stop_after + 1):
+        step(single, single_clock, NON_EOS)
+    assert _state(multi) == _state(single)
+
+
+@pytest.mark.parametrize("min_tokens", [0, 5])
+def test_a_stop_token_ends_a_run_where_single_steps_do(min_tokens):
+    # Every step samples EOS with ignore_eos off: each request stops at
+    # min_tokens output tokens (or its max_tokens, or the model length).
+    single, single_clock = _steady_batch(7, ignore_eos=False, min_tokens=min_tokens, max_tokens=60)
+    multi, multi_clock = _steady_batch(7, ignore_eos=False, min_tokens=min_tokens, max_tokens=60)
+    batch = list(single._requests.values())
+    run = multi.plan_decode_run(70, EOS)
+    _run_all(run, multi_clock)
+    for _ in range(run.num_steps):
+        step(single, single_clock, EOS)
+    assert _state(multi) == _state(single)
+    assert _finished(run.requests) == _finished(batch)
+    assert RequestStatus.FINISHED_STOPPED in {r.status for r in run.requests}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_run_stops_before_a_step_that_might_preempt(seed):
+    # Tight caches: the run ends where the blocks run out, counting only
+    # what requests finishing inside it surely free.
+    single, single_clock = _steady_batch(seed, num_blocks=36)
+    multi, multi_clock = _steady_batch(seed, num_blocks=36)
+    run = multi.plan_decode_run(200, NON_EOS)
+    if run is None:
+        assert step(single, single_clock, NON_EOS).preempted_ids
+        return
+    assert run.num_steps < 200
+    _run_all(run, multi_clock)
+    for _ in range(run.num_steps):
+        assert not step(single, single_clock, NON_EOS).preempted_ids
+    assert _state(multi) == _state(single)
+
+
+def test_no_run_while_a_request_waits_or_prefills():
+    sched, clock = make_scheduler(num_blocks=64, block_size=4, budget=8)
+    sched.add_request(make_request("a", num_prompt=20, max_tokens=10))
+    assert sched.plan_decode_run(10, NON_EOS) is None  # waiting
+    step(sched, clock)
+    assert sched.plan_decode_run(10, NON_EOS) is None  # part-way through its prompt
+    while sched.running["a"].num_computed_tokens < 20:
+        step(sched, clock)
+    assert sched.plan_decode_run(10, NON_EOS) is not None
+    sched.add_request(make_request("b", num_prompt=4, max_tokens=10))
+    assert sched.plan_decode_run(10, NON_EOS) is None

@@ -1,0 +1,117 @@
+"""Fast forward (multi-step decode runs) changes nothing the simulator
+reports: the same workload with it on and off gives identical per-request
+timestamps, outcomes, preemptions and admission decisions."""
+
+import pytest
+
+from kvserve.bench.workload import LengthClass, LengthDist, WorkloadSpec, generate_requests
+from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
+from kvserve.scheduler.scheduler import Scheduler
+from kvserve.sim.cost_model import LinearCostModel
+from kvserve.sim.simulator import AutoscaleConfig, SimConfig, Simulator
+
+COST = LinearCostModel(intercept_s=0.004, per_prefill_token_s=2e-5, per_decode_seq_s=2e-4,
+                       per_kv_token_read_s=1e-7, per_attention_pair_s=1e-9)
+
+
+def _workload(num_requests, seed, cancel=0.0, **shape):
+    mix = (LengthClass("a", 1.0, LengthDist("uniform", (("min", 8), ("max", 200))),
+                       LengthDist("uniform", (("min", 1), ("max", 120)))),)
+    return generate_requests(WorkloadSpec(mix, cancel_rate=cancel, cancel_after_s=(0.05, 0.5), **shape),
+                             num_requests, seed=seed)
+
+
+@pytest.fixture(autouse=True)
+def decode_runs(monkeypatch):
+    """Counts the multi-step runs planned, so each test proves it used them."""
+    planned = []
+    plan = Scheduler.plan_decode_run
+
+    def counting(self, max_steps, token_id):
+        run = plan(self, max_steps, token_id)
+        if run is not None:
+            planned.append(run.num_steps)
+        return run
+    monkeypatch.setattr(Scheduler, "plan_decode_run", counting)
+    return planned
+
+
+def _simulate(config, specs, offsets, fast_forward):
+    config = SimConfig(**{**config.__dict__, "fast_forward": fast_forward, "record_trace": True})
+    sim = Simulator(config, COST)
+    return sim.run(specs, offsets)
+
+
+def _admission_calls(result):
+    return [[e[1:] for e in trace if e[0] == "admission" and e[2] not in ("expired", "step_limits")]
+            for trace in result.traces]
+
+
+def _compare(config, specs, offsets, decode_runs):
+    fast = _simulate(config, specs, offsets, True)
+    assert sum(n > 1 for n in decode_runs) >= 3, "the fast path must run multi-step decodes"
+    decode_runs.clear()
+    slow = _simulate(config, specs, offsets, False)
+    assert not decode_runs
+    assert fast.records == slow.records  # every timestamp, outcome, token count
+    assert fast.replicas == slow.replicas  # steps, busy time, preemptions, prefix hits
+    assert fast.num_steps == slow.num_steps and fast.duration_s == slow.duration_s
+    assert fast.replica_timeline == slow.replica_timeline
+    # Every admission call that changes or decides something, with its time,
+    # arguments (measured step times included) and answer. A run skips only
+    # the pure queries expired() and step_limits(), which cannot bind in it.
+    assert _admission_calls(fast) == _admission_calls(slow)
+    schedules = [[e for e in trace if e[0] == "schedule"] for trace in slow.traces]
+    fast_schedules = [[e for e in trace if e[0] == "schedule"] for trace in fast.traces]
+    assert [[e[1:2] + e[3:] for e in t] for t in fast_schedules] == [[e[1:2] + e[3:] for e in t] for t in schedules]
+    return fast, slow
+
+
+def _config(admission, num_blocks=400, num_replicas=1, router="least-queue", autoscale=None):
+    return SimConfig(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=24, max_model_len=1024),
+                     CacheConfig(num_blocks=num_blocks, block_size=16), admission,
+                     num_replicas=num_replicas, router=router, autoscale=autoscale)
+
+
+# Shared prefixes (prefix-cache hits, hashed blocks evicted in LRU order),
+# priorities (urgency order, preemption victims) and tenants (namespaces).
+SHARING = {"num_prefix_groups": 3, "prefix_tokens": 48, "prefix_share": 0.6,
+           "priorities": ((0, 0.7), (1, 0.3)), "tenants": (("a", 0.5), ("b", 0.5))}
+
+
+def test_fast_forward_is_exact_with_kv_pressure_and_preemptions(decode_runs):
+    specs = _workload(150, seed=1, **SHARING)
+    offsets = [i * 0.02 for i in range(len(specs))]
+    fast, slow = _compare(_config(None, num_blocks=60), specs, offsets, decode_runs)
+    assert sum(r["num_preemptions"] for r in slow.replicas) > 0, "the workload must preempt"
+    assert sum(r["prefix_cache_hits"] for r in slow.replicas) > 0
+    assert all(r.outcome == "success" for r in slow.records)
+
+
+def test_fast_forward_is_exact_with_admission_refusals_and_timeouts(decode_runs):
+    specs = _workload(300, seed=2, **SHARING)
+    offsets = [i * 0.004 for i in range(len(specs))]
+    admission = AdmissionConfig(max_queue_wait_s=0.3, max_queue_len=8, queue_timeout_s=0.5)
+    fast, slow = _compare(_config(admission, num_blocks=120), specs, offsets, decode_runs)
+    outcomes = {r.outcome for r in slow.records}
+    assert {"rejected", "success"} <= outcomes
+    assert sum(1 for e in fast.traces[0] if e[0] == "admission" and e[2] == "step_limits") < \
+        sum(1 for e in slow.traces[0] if e[0] == "admission" and e[2] == "step_limits"), "runs must happen"
+
+
+def test_fast_forward_is_exact_across_replicas_with_cancels_and_autoscale(decode_runs):
+    specs = _workload(400, seed=3, cancel=0.2)
+    offsets = [i * 0.01 for i in range(len(specs))]
+    autoscale = AutoscaleConfig(max_replicas=4, interval_s=0.5, cold_start_s=1.0)
+    fast, slow = _compare(_config(AdmissionConfig(max_queue_wait_s=0.5), num_blocks=150, num_replicas=2,
+                                  autoscale=autoscale), specs, offsets, decode_runs)
+    assert {"cancelled", "success"} <= {r.outcome for r in slow.records}
+    assert len(slow.replica_timeline) > 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fast_forward_is_exact_for_light_steady_traffic(seed, decode_runs):
+    # Light load: long decode runs, ended early by arrivals.
+    specs = _workload(80, seed=10 + seed)
+    offsets = [i * 0.15 for i in range(len(specs))]
+    _compare(_config(AdmissionConfig(), num_replicas=3, router="round-robin"), specs, offsets, decode_runs)

@@ -181,20 +181,23 @@ def summarize_rate(args, multiple: float, rate: float, results: list[dict]) -> d
     return {"multiple": multiple, "rate_per_s": rate, "sent": len(results), "admitted": len(ok),
             "goodput_per_s": len(good) / args.duration_s, "refused_share": 1 - len(ok) / max(1, len(results)),
             "ttft_p50_s": ttft["p50"], "ttft_p99_s": ttft["p99"], "tpot_p50_s": tpot["p50"],
-            "tpot_p99_s": tpot["p99"], "refusals": reasons}
+            "tpot_p99_s": tpot["p99"], "refusals": reasons,
+            # The machine's 1-minute load at the end of the rate: on a shared
+            # box a neighbour's burst explains an outlier row.
+            "load_1min": os.getloadavg()[0]}
 
 
 def print_table(title: str, rows: list[dict]) -> None:
     print(f"\n{title}")
     print(f"{'x cap':>6} {'rate/s':>7} {'sent':>5} {'goodput/s':>9} {'refused':>8} "
-          f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
+          f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'load':>5}")
 
     def f(v, scale=1.0, unit=""):
         return "-" if v is None else f"{v * scale:.{3 if unit == 's' else 1}f}{unit}"
     for r in rows:
         print(f"{r['multiple']:>6.2f} {r['rate_per_s']:>7.2f} {r['sent']:>5} {r['goodput_per_s']:>9.2f} "
               f"{r['refused_share']:>8.1%} {f(r['ttft_p50_s'], unit='s'):>9} {f(r['ttft_p99_s'], unit='s'):>9} "
-              f"{f(r['tpot_p50_s'], 1000, 'ms'):>9} {f(r['tpot_p99_s'], 1000, 'ms'):>9}")
+              f"{f(r['tpot_p50_s'], 1000, 'ms'):>9} {f(r['tpot_p99_s'], 1000, 'ms'):>9} {r['load_1min']:>5.2f}")
     best = max(r["goodput_per_s"] for r in rows)
     for r in rows:
         if r["multiple"] >= 2:

@@ -348,3 +348,31 @@ def test_observed_waits_longer_than_predicted_raise_later_predictions():
     on_time, late = run(1.0), run(3.0)
     assert on_time > 0.05
     assert late > 1.5 * on_time
+
+
+def test_refusal_for_any_size_never_refuses_what_check_would_admit():
+    """The size-independent pre-check refuses only when `check` refuses
+    every request of the class, whatever its size; it changes no state."""
+    ctl, clock = make(num_blocks=40, block_size=16, max_num_seqs=4, max_queue_wait_s=1.0,
+                      tenants={"a": TenantLimits(max_concurrent=1)})
+    for _ in range(12):
+        ctl.observe_step(4, 0, 0.01)  # a measured step: 4 decodes in 10 ms
+    rng = random.Random(0)
+    num_early = 0
+    for _ in range(80):  # sizes from 1 to 5 blocks: the batch slots bind before the cache
+        size = req(prompt=rng.randint(1, 40), max_tokens=rng.randint(1, 40))
+        before = (ctl.num_queued, ctl.num_started)
+        early = ctl.refusal_for_any_size(size.priority, size.tenant, size.is_retry, size.deadline)
+        assert (ctl.num_queued, ctl.num_started) == before
+        full = ctl.check(size)
+        if early is not None:
+            num_early += 1
+            assert not full.admitted and (early.status, full.status) == (429, 429)
+            assert early.reason in ("kv_cache", "queue_full") and 1 <= early.retry_after_s
+        if full.admitted:
+            ctl.admit(size, full)
+        clock.now += 0.01
+    assert num_early > 0 and ctl.refusal_for_any_size() is not None  # the queue got over its limit
+    admit(ctl, req(tenant="a", max_tokens=1))
+    quota = ctl.refusal_for_any_size(tenant="a")
+    assert (quota.status, quota.reason) == (429, "tenant_quota")

@@ -91,3 +91,26 @@ def test_health_and_ready():
                              json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         srv.serving.draining = False
+
+
+def test_warm_up_leaves_counters_kv_and_prefix_cache_empty():
+    core = tiny_core(num_blocks=64)
+    # A TPOT target no step meets: a running cap below max_num_seqs shows the warm-up ran.
+    with live_server(core, tpot_slo_s=0.001) as srv, httpx.Client(base_url=srv.base_url, timeout=30) as http:
+        s = scrape(srv.base_url)
+        assert metric(s, "kvserve_running_cap") < 16
+        for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+                     "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total",
+                     "vllm:prefix_cache_hits_total", "vllm:kv_cache_usage_perc", "vllm:num_requests_running",
+                     "vllm:num_requests_waiting", "vllm:time_to_first_token_seconds_count",
+                     "kvserve_admission_decisions_total", "kvserve_slo_requests_total"):
+            assert metric(s, name) == 0, name
+        kv = core.scheduler.kv_cache
+        assert kv.pool.num_cached_blocks == 0 and kv.num_free_blocks == kv.num_blocks
+        r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": list(range(1, 41)), "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        s = scrape(srv.base_url)
+        assert metric(s, "vllm:prompt_tokens_total") == 40
+        assert metric(s, "vllm:prefix_cache_queries_total") == 40
+        assert metric(s, "vllm:prefix_cache_hits_total") == 0
+        assert metric(s, "vllm:request_success_total") == 1

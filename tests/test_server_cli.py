@@ -48,3 +48,12 @@ def test_bad_values_are_refused_with_a_message():
     with pytest.raises(ValueError, match="max_queue_wait_s"):
         cli.configs(args, "m")
     assert cli.run(parser().parse_args(["--api-keys", "/nonexistent/keys.json"])) == 2
+
+
+def test_warm_up_is_on_by_default_and_can_be_disabled():
+    _, server = cli.configs(parser().parse_args([]), "m")
+    assert server.warm_up is True
+    _, server = cli.configs(parser().parse_args(["--no-warm-up"]), "m")
+    assert server.warm_up is False
+    help_text = parser().format_help()
+    assert "--no-warm-up" in help_text and "seconds" in help_text

@@ -29,10 +29,15 @@ def kv_idle(base_url: str) -> bool:
 
 
 def test_overload_burst_gets_429_with_retry_after_and_admitted_requests_meet_ttft():
-    core = tiny_core(num_blocks=32, max_num_seqs=8)  # ~8 requests of 4 blocks at a time
+    # ~4 requests of 14 blocks at a time. The warm-up has measured the step
+    # time before the burst, so the burst must exceed what the server can
+    # serve within the wait limit at any machine speed: 60 x 200 output
+    # tokens is ~15 cache turnovers.
+    core = tiny_core(num_blocks=64, max_num_seqs=8)
     with live_server(core, max_queue_wait_s=0.5, ttft_slo_s=TTFT_TARGET_S) as srv:
         start = time.monotonic()
-        outs = run_clients(srv.base_url, lambda c: [stream_one(c, body()) for _ in range(60)], timeout_s=60)
+        outs = run_clients(srv.base_url, lambda c: [stream_one(c, body(max_tokens=200)) for _ in range(60)],
+                           timeout_s=60)
         elapsed_s = time.monotonic() - start
         admitted = [o for o in outs if o.status == 200]
         refused = [o for o in outs if o.status == 429]
@@ -193,3 +198,89 @@ def test_degradation_caps_max_tokens_and_says_so():
         for o in degraded:
             assert o.headers["x-kvserve-degraded"] == "max_tokens=5"
             assert o.num_chunks <= 5 and o.finish_reason == "length"
+
+
+def test_a_burst_right_after_ready_is_refused_not_queued_behind_a_cold_guess():
+    # A TPOT target no step can meet: once step times are measured the
+    # running batch is capped far below max_num_seqs (at 1, or a few when the
+    # fit runs through the origin). The warm-up measures them before /ready,
+    # so the first burst is refused at the door. A cold server (no fit yet)
+    # would let max_num_seqs start and as many again queue behind them, each
+    # waiting for a whole batch of 400-token requests.
+    core = tiny_core(num_blocks=512, max_num_seqs=16)
+    with live_server(core, max_queue_wait_s=0.5, ttft_slo_s=1.0, tpot_slo_s=0.001) as srv:
+        samples = scrape(srv.base_url)
+        assert 1 <= metric(samples, "kvserve_running_cap") <= 4  # the fit exists before any request
+        outs = run_clients(srv.base_url, lambda c: [stream_one(c, body(max_tokens=400)) for _ in range(40)],
+                           timeout_s=120)
+        admitted = [o for o in outs if o.status == 200]
+        refused = [o for o in outs if o.status == 429]
+        assert len(admitted) + len(refused) == len(outs), {o.status for o in outs}
+        assert admitted and len(refused) >= 30, (len(admitted), len(refused))
+        assert all(int(o.retry_after) >= 1 and o.error["code"] in ("kv_cache", "queue_full") for o in refused)
+        assert max(o.ttft_s for o in admitted) <= 1.0, sorted(o.ttft_s for o in admitted)
+        assert all(o.finish_reason == "length" for o in admitted)
+
+
+def test_overload_refusals_skip_tokenizing_but_size_errors_stay_400():
+    core = tiny_core(num_blocks=24, max_num_seqs=1)  # 384 token slots, context 512
+    with live_server(core, max_queue_wait_s=0.05) as srv:
+        encoded: list[str] = []
+        tokenizer = srv.serving.tokenizer
+        real_encode = tokenizer.encode
+
+        def counting_encode(text, *args, **kwargs):
+            encoded.append(text)
+            return real_encode(text, *args, **kwargs)
+
+        tokenizer.encode = counting_encode
+
+        async def clients(c):
+            long = asyncio.ensure_future(stream_one(c, body(prompt="a" * 20, max_tokens=340)))
+            await asyncio.sleep(0.1)  # admitted: the one batch slot is taken for a while
+            refused = [await stream_one(c, body(prompt="b" * 20)) for _ in range(5)]
+            never_fits = await stream_one(c, body(prompt="c" * 100, max_tokens=300))
+            too_long = await stream_one(c, body(prompt="d" * 600, max_tokens=5))
+            long.cancel()
+            return refused, never_fits, too_long
+
+        refused, never_fits, too_long = asyncio.run(_with_client(srv.base_url, clients))
+        assert [o.status for o in refused] == [429] * 5
+        assert all(o.error["code"] == "queue_full" and int(o.retry_after) >= 1 for o in refused)
+        # Refused before tokenizing; the size-dependent 400s still tokenize and say why.
+        assert encoded == ["a" * 20, "c" * 100, "d" * 600], [t[:3] for t in encoded]
+        assert (never_fits.status, never_fits.error["code"]) == (400, "never_fits")
+        assert (too_long.status, too_long.error["param"]) == (400, "prompt")
+        samples = scrape(srv.base_url)
+        assert metric(samples, "kvserve_admission_decisions_total", outcome="reject", reason="queue_full") == 5
+
+
+async def _with_client(base_url: str, fn):
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        return await fn(client)
+
+
+def test_tokens_that_pile_up_go_out_as_one_event_with_one_logprob_each():
+    with live_server(tiny_core(num_blocks=64)) as srv:
+        payload = body(prompt=list(range(1, 9)), max_tokens=300, logprobs=0)
+        reference = httpx.post(srv.base_url + "/v1/completions", json={**payload, "stream": False},
+                               timeout=30).json()
+        loop = srv.serving.engine._loop
+        chunks = []
+        with httpx.stream("POST", srv.base_url + "/v1/completions", json=payload, timeout=30) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunks.append(json.loads(line[6:])["choices"][0])
+                if len(chunks) == 2:
+                    # Stall the event loop while the engine thread keeps stepping.
+                    loop.call_soon_threadsafe(time.sleep, 0.3)
+        tokens_per_chunk = [len(c["logprobs"]["tokens"]) for c in chunks]
+        assert max(tokens_per_chunk) > 1, tokens_per_chunk
+        assert sum(tokens_per_chunk) == 300 == reference["usage"]["completion_tokens"]
+        assert "".join(c["text"] for c in chunks) == reference["choices"][0]["text"]
+        all_tokens = [t for c in chunks for t in c["logprobs"]["tokens"]]
+        assert all_tokens == reference["choices"][0]["logprobs"]["tokens"]
+        offsets = [o for c in chunks for o in c["logprobs"]["text_offset"]]
+        assert offsets == reference["choices"][0]["logprobs"]["text_offset"]
+        assert chunks[-1]["finish_reason"] == "length"

@@ -143,6 +143,8 @@ class ServerConfig:
     shutdown_grace_s: on SIGTERM, in-flight requests get this long to finish
       before they are aborted.
     max_body_bytes: larger request bodies get 413.
+    warm_up: before /ready, time engine steps on throwaway requests so the
+      admission controller's step-time fit exists before the first request.
     """
 
     host: str = "127.0.0.1"
@@ -152,6 +154,7 @@ class ServerConfig:
     stream_stall_timeout_s: float = 30.0
     shutdown_grace_s: float = 30.0
     max_body_bytes: int = 4 * 2**20
+    warm_up: bool = True
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, f"port must be in 0..65535, got {self.port}")

@@ -24,12 +24,32 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from kvserve.contract import Request, RequestTimestamps
+from kvserve.contract import Request, RequestTimestamps, SamplingParams
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # how long an idle engine thread sleeps between command checks
+# Prefix-cache namespace of warm-up requests: no served request hashes into
+# it, so nothing a warm-up computes can ever be a real prefix hit.
+WARM_UP_NAMESPACE = "kvserve-warm-up"
+# Prefill lengths of the warm-up's chunks, as shares of the prefill room; the
+# order mixes long and short chunks so prefill tokens do not grow with the
+# number of decodes beside them (the fit must tell the two factors apart).
+WARM_UP_PREFILL_SHARES = (0.125, 1.0, 0.25, 0.5, 0.0625, 0.75)
+# Share of the KV cache the warm-up may hold at once.
+WARM_UP_KV_SHARE = 0.75
+# The longest warm-up prefill chunk should span at least this many blocks.
+WARM_UP_MIN_PREFILL_BLOCKS = 4
+
+
+class MeasuredStep(NamedTuple):
+    """One timed engine step: its shape and its wall time."""
+
+    num_decode_seqs: int
+    num_prefill_tokens: int
+    step_s: float
 
 
 @dataclass(frozen=True)
@@ -73,6 +93,16 @@ class RequestStream:
         self.last_progress = time.monotonic()
         return item
 
+    def ready(self) -> list:
+        """Every item already delivered, without waiting (possibly none):
+        lets a reader that fell behind catch up in one go."""
+        items = []
+        while not self.items.empty():
+            items.append(self.items.get_nowait())
+        if items:
+            self.last_progress = time.monotonic()
+        return items
+
     def _put(self, item: object) -> None:
         if self.items.empty():
             self.last_progress = time.monotonic()  # a stall counts from the first unread item
@@ -100,6 +130,60 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
+
+    def warm_up(self, num_steps: int = 12, max_decode_seqs: int = 16,
+                time_budget_s: float = 10.0) -> list[MeasuredStep]:
+        """Before `start`: run throwaway requests through the engine and time
+        at least `num_steps` steps of varied shapes, so the step-time fit
+        exists before the first real request (a cold server would otherwise
+        admit a burst on guesses). The ramp adds one request per step (decode
+        batches of 0..N-1 sequences beside prefill chunks of varied length,
+        N <= max_decode_seqs), then decode-only steps at N and N/2 sequences.
+        One unmeasured step first pays one-time costs (allocation, kernel
+        selection). The ramp stops early past half of `time_budget_s`.
+
+        Leaves no trace: the requests are aborted, their prefix-cache entries
+        dropped, and the prefix-cache and preemption totals restored, so KV
+        usage and every counter start at zero."""
+        if self._thread is not None:
+            raise RuntimeError("warm_up() must run before start()")
+        scheduler, kv = self.core.scheduler, self.core.scheduler.kv_cache
+        totals = (kv.prefix_cache_queries, kv.prefix_cache_hits, scheduler.num_preemptions)
+        plan = _WarmUpPlan(self.core, num_steps, max_decode_seqs)
+        added: list[str] = []
+        measured: list[MeasuredStep] = []
+        try:
+            self._warm_up_add(plan, added)
+            self.core.step()  # unmeasured: one-time costs
+            deadline = time.perf_counter() + time_budget_s / 2
+            while len(added) < plan.num_seqs and time.perf_counter() < deadline:
+                self._warm_up_add(plan, added)
+                measured.append(self._timed_step())
+            for i in range(max(plan.num_decode_steps, num_steps - len(measured))):
+                if i == plan.num_decode_steps // 2:  # halve the batch for a second decode size
+                    for request_id in added[len(added) // 2 + 1:]:
+                        self.core.abort(request_id)
+                measured.append(self._timed_step())
+        finally:
+            for request_id in added:
+                self.core.abort(request_id)
+            kv.pool.reset_prefix_cache()
+            kv.prefix_cache_queries, kv.prefix_cache_hits, scheduler.num_preemptions = totals
+        return measured
+
+    def _warm_up_add(self, plan: "_WarmUpPlan", added: list[str]) -> None:
+        index = len(added)
+        request = Request(f"warm-up-{index}", plan.prompt(index), plan.params, arrival_time=self.core.clock(),
+                          cache_namespace=WARM_UP_NAMESPACE)
+        self.core.add_request(request)
+        added.append(request.request_id)
+
+    def _timed_step(self) -> MeasuredStep:
+        t0 = time.perf_counter()
+        self.core.step()
+        step_s = time.perf_counter() - t0
+        last = self.core.last_scheduled
+        return MeasuredStep(last.num_decode_seqs, last.num_prefill_tokens, step_s)
 
     def add(self, request: Request) -> RequestStream:
         """Queue `request` for the engine; returns its output stream."""
@@ -244,3 +328,36 @@ class AsyncEngine:
             stream.finished = done
             stream._put(done)
         self.streams.clear()
+
+
+class _WarmUpPlan:
+    """Sizes of the warm-up: how many sequences, their prompts and outputs,
+    within the engine's batch, token budget, context and a share of its KV."""
+
+    def __init__(self, core, num_steps: int, max_decode_seqs: int) -> None:
+        scheduler = core.scheduler
+        block_size = scheduler.kv_cache.block_size
+        self.num_decode_steps = 4
+        num_seqs = max(1, min(scheduler.config.max_num_seqs, max_decode_seqs))
+        # Every request outlives the warm-up: one token per step it is in.
+        max_tokens = num_seqs + max(self.num_decode_steps, num_steps) + 2
+        kv_tokens = int(scheduler.kv_cache.num_blocks * WARM_UP_KV_SHARE) * block_size
+        while True:
+            step_room = scheduler.config.max_num_batched_tokens - num_seqs
+            room = min(step_room, core.max_model_len - max_tokens - 1,
+                       kv_tokens // num_seqs - max_tokens - block_size)  # a block of rounding each
+            # Fewer sequences rather than prefill chunks too short to measure.
+            if room >= min(step_room, WARM_UP_MIN_PREFILL_BLOCKS * block_size) or num_seqs == 1:
+                break
+            num_seqs //= 2
+            max_tokens = num_seqs + max(self.num_decode_steps, num_steps) + 2
+        self.num_seqs = num_seqs
+        self.room = max(1, room)
+        self.vocab_size = core.model_config.vocab_size
+        self.params = SamplingParams(max_tokens=max(1, max_tokens), temperature=0.0, ignore_eos=True)
+
+    def prompt(self, index: int) -> list[int]:
+        share = WARM_UP_PREFILL_SHARES[index % len(WARM_UP_PREFILL_SHARES)]
+        length = max(1, int(self.room * share))
+        # Distinct tokens per request: no warm-up prompt is a prefix hit on another.
+        return [(index * 7919 + j * 31 + 1) % self.vocab_size for j in range(length)]

@@ -195,6 +195,10 @@ class StepTimeModel:
         # (d = decode seqs, p = prefill tokens, y = step seconds).
         self._w = self._d = self._p = self._y = 0.0
         self._dd = self._pp = self._dp = self._dy = self._py = 0.0
+        # The fit changes only when a step is observed, but admission asks
+        # for it several times per request: solve once per observation.
+        self._fit_is_current = False
+        self._fit: StepFit | None = None
 
     def observe(self, num_decode_seqs: int, num_prefill_tokens: int, step_s: float) -> None:
         k = self._decay
@@ -203,6 +207,7 @@ class StepTimeModel:
         self._d, self._p, self._y = self._d * k + d, self._p * k + p, self._y * k + y
         self._dd, self._pp, self._dp = self._dd * k + d * d, self._pp * k + p * p, self._dp * k + d * p
         self._dy, self._py = self._dy * k + d * y, self._py * k + p * y
+        self._fit_is_current = False
 
     @property
     def mean_step_s(self) -> float | None:
@@ -219,7 +224,14 @@ class StepTimeModel:
         return self._y / self._p if self._p else None
 
     def fit(self) -> StepFit | None:
-        """Least-squares coefficients, all >= 0; None before MIN_FIT_STEPS.
+        """Least-squares coefficients, all >= 0; None before MIN_FIT_STEPS
+        (solved once per observed step)."""
+        if not self._fit_is_current:
+            self._fit, self._fit_is_current = self._solve(), True
+        return self._fit
+
+    def _solve(self) -> StepFit | None:
+        """The least-squares fit of the decayed sums.
 
         Solves the normal equations of (1, d, p) in centred form (the
         intercept drops out, leaving 2x2). A factor whose variance is ~0 is
@@ -472,10 +484,49 @@ class AdmissionController:
             return _reject(429, QUEUE_FULL, 1, f"the waiting queue is full ({self.config.max_queue_len})")
         return self._check_wait(request, now)
 
-    def _check_wait(self, request: AdmissionRequest, now: float) -> AdmissionDecision:
+    def refusal_for_any_size(self, priority: int = 0, tenant: str = "default", is_retry: bool = False,
+                             deadline: float | None = None) -> AdmissionDecision | None:
+        """The 429 that `check` would give every request of this class and
+        tenant, whatever its prompt and max_tokens; None when the answer
+        depends on the request's size. No state change.
+
+        Lets the server refuse before tokenizing under overload: the refusals
+        that need no token count (tenant concurrency, retry budget, a full
+        queue) and the expected wait of a request needing zero KV blocks,
+        a lower bound on any real request's wait (more blocks never wait
+        less). The caller must rule out `check`'s size-dependent 400s itself.
+        The reason may say `queue_full` where `check` would have said
+        `kv_cache` (with zero blocks the batch slots bind), and Retry-After
+        is the lower bound's."""
+        now = self.clock()
+        probe = AdmissionRequest("", 0, 0, 0, priority, tenant, is_retry, deadline)
+        refusal = self._check_concurrency(probe) or self._check_retry(probe, now)
+        if refusal is not None:
+            return refusal
+        if self.num_queued >= self.config.max_queue_len:
+            return _reject(429, QUEUE_FULL, 1, f"the waiting queue is full ({self.config.max_queue_len})")
+        limit_s = self._wait_limit_s(probe, now)
+        wait_s, binding = self.expected_wait_s(probe)
+        return self._wait_refusal(probe, wait_s, binding, limit_s) if wait_s > limit_s else None
+
+    def _wait_limit_s(self, request: AdmissionRequest, now: float) -> float:
         limit_s = self.max_wait_s(request.priority)
         if request.deadline is not None:
             limit_s = min(limit_s, request.deadline - now)
+        return limit_s
+
+    def _wait_refusal(self, request: AdmissionRequest, wait_s: float, binding: str,
+                      limit_s: float) -> AdmissionDecision:
+        reason = DEADLINE if request.deadline is not None and limit_s < self.max_wait_s(request.priority) \
+            else binding
+        # Unbounded means nothing is measured yet: it will be within seconds.
+        retry_s = _whole_seconds(wait_s - limit_s) if math.isfinite(wait_s) else 1
+        return _reject(429, reason, retry_s,
+                       f"expected queue wait {_fmt_s(wait_s)} exceeds the limit of {limit_s:.2f} s "
+                       f"({binding.replace('_', ' ')})", wait_s)
+
+    def _check_wait(self, request: AdmissionRequest, now: float) -> AdmissionDecision:
+        limit_s = self._wait_limit_s(request, now)
         wait_s, binding = self.expected_wait_s(request)
         cap = self.config.degrade_max_tokens
         can_degrade = self.config.degrade_wait_s is not None and request.max_tokens > cap
@@ -484,26 +535,25 @@ class AdmissionController:
                 capped_wait_s, _ = self.expected_wait_s(request, cap)
                 if capped_wait_s <= limit_s:
                     return AdmissionDecision(DEGRADE, cap, expected_wait_s=capped_wait_s)
-            reason = DEADLINE if request.deadline is not None and limit_s < self.max_wait_s(request.priority) \
-                else binding
-            # Unbounded means nothing is measured yet: it will be within seconds.
-            retry_s = _whole_seconds(wait_s - limit_s) if math.isfinite(wait_s) else 1
-            return _reject(429, reason, retry_s,
-                           f"expected queue wait {_fmt_s(wait_s)} exceeds the limit of {limit_s:.2f} s "
-                           f"({binding.replace('_', ' ')})", wait_s)
+            return self._wait_refusal(request, wait_s, binding, limit_s)
         if can_degrade and wait_s > self.config.degrade_wait_s:
             return AdmissionDecision(DEGRADE, cap, expected_wait_s=wait_s)
         return AdmissionDecision(ADMIT, request.max_tokens, expected_wait_s=wait_s)
 
-    def _check_tenant(self, request: AdmissionRequest, now: float) -> AdmissionDecision | None:
+    def _check_concurrency(self, request: AdmissionRequest) -> AdmissionDecision | None:
         limits = self.tenant_limits.get(request.tenant)
-        if limits is None:
+        if limits is None or limits.max_concurrent is None:
             return None
-        if limits.max_concurrent is not None and self.num_inflight(request.tenant) >= limits.max_concurrent:
+        if self.num_inflight(request.tenant) >= limits.max_concurrent:
             return _reject(429, TENANT_QUOTA, 1,
                            f"tenant {request.tenant!r} has {limits.max_concurrent} requests in flight (its limit)")
-        if limits.tokens_per_minute is None:
-            return None
+        return None
+
+    def _check_tenant(self, request: AdmissionRequest, now: float) -> AdmissionDecision | None:
+        refusal = self._check_concurrency(request)
+        limits = self.tenant_limits.get(request.tenant)
+        if refusal is not None or limits is None or limits.tokens_per_minute is None:
+            return refusal
         charge = request.num_prompt_tokens + request.max_tokens
         if charge > limits.tokens_per_minute:
             return _reject(400, NEVER_FITS, None,

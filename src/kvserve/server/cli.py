@@ -54,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="on SIGTERM, time in-flight requests get to finish before abort (seconds)")
     http.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
                       help="larger request bodies get 413 (bytes)")
+    http.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                      help="skip the warm-up before /ready reports ready (by default about 20 engine steps "
+                           "on throwaway requests, at most ~10 seconds, so admission's step-time fit exists "
+                           "before the first request; metrics, KV and the prefix cache are left empty)")
     http.add_argument("--gil-switch-interval", type=float, default=None,
                       help="Python's thread switch interval (seconds; default: Python's 0.005); shorter "
                            "lets the engine thread win the GIL back from the HTTP thread sooner (no "
@@ -94,7 +98,7 @@ def configs(args: argparse.Namespace, served_model_name: str) -> tuple[Admission
     server = ServerConfig(
         host=args.host, port=args.port, served_model_name=served_model_name, api_keys_path=args.api_keys,
         stream_stall_timeout_s=args.stream_stall_timeout, shutdown_grace_s=args.shutdown_grace,
-        max_body_bytes=args.max_body_bytes)
+        max_body_bytes=args.max_body_bytes, warm_up=args.warm_up)
     return admission, server
 
 
@@ -143,7 +147,11 @@ def serve(serving, gil_switch_interval_s: float | None = None) -> int:
     config = uvicorn.Config(app, host=serving.config.host, port=serving.config.port,
                             log_level="warning", timeout_graceful_shutdown=5)
     server = DrainingServer(config, serving)
-    asyncio.run(server.serve())
+    # Server.run, not asyncio.run(server.serve()): it builds the loop from the
+    # config (uvloop when installed), whose C transports write to sockets
+    # without a Python selector round per write; measured in
+    # docs/performance.md (Overload).
+    server.run()
     return 0
 
 

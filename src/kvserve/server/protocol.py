@@ -208,9 +208,12 @@ class ResponseShape:
         return body
 
     def chunk(self, text: str | None, finish_reason: str | None, logprobs: list | None,
-              first: bool = False, with_usage_field: bool = False) -> str:
+              first: bool = False, with_usage_field: bool = False, text_offset: int = 0) -> str:
+        """One SSE event; `text` may hold several tokens (then `logprobs`
+        has one entry per token). text_offset: where this chunk's tokens
+        start in the completion (completions' logprobs.text_offset)."""
         if self.kind == "completion":
-            choice = {"index": 0, "text": text or "", "logprobs": self.logprobs(logprobs),
+            choice = {"index": 0, "text": text or "", "logprobs": self.logprobs(logprobs, text_offset),
                       "finish_reason": finish_reason}
             body = self._envelope("text_completion", [choice])
         else:
@@ -230,7 +233,11 @@ class ResponseShape:
         body["usage"] = usage_
         return sse(body)
 
-    def logprobs(self, items: list | None) -> dict | None:
+    def text_length(self, items: list | None) -> int:
+        """Characters of the tokens of these TokenLogprob items (0 for None)."""
+        return sum(len(self._token_text(lp.token_id)) for lp in items) if items else 0
+
+    def logprobs(self, items: list | None, text_offset: int = 0) -> dict | None:
         """OpenAI logprobs of the given TokenLogprob items, None when not asked."""
         if items is None:
             return None
@@ -244,11 +251,11 @@ class ResponseShape:
         return {"tokens": [text(lp.token_id) for lp in items],
                 "token_logprobs": [lp.logprob for lp in items],
                 "top_logprobs": [{text(t): v for t, v in lp.top} for lp in items],
-                "text_offset": _offsets([text(lp.token_id) for lp in items])}
+                "text_offset": _offsets([text(lp.token_id) for lp in items], text_offset)}
 
 
-def _offsets(tokens: list[str]) -> list[int]:
-    out, pos = [], 0
+def _offsets(tokens: list[str], start: int = 0) -> list[int]:
+    out, pos = [], start
     for tok in tokens:
         out.append(pos)
         pos += len(tok)

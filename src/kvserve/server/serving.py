@@ -10,9 +10,10 @@ status code, streaming or not. Every response carries the versions that ran.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
@@ -22,7 +23,7 @@ from kvserve.config import AdmissionConfig, ServerConfig
 from kvserve.contract import InvalidParameter, Request, ResolvedVersions
 from kvserve.engine.async_engine import AsyncEngine, Finished, RequestStream, StepReport
 from kvserve.metrics import ServerMetrics
-from kvserve.scheduler.admission import AdmissionController, AdmissionRequest, StepLimits
+from kvserve.scheduler.admission import MIN_FIT_STEPS, AdmissionController, AdmissionRequest, StepLimits
 from kvserve.server import protocol
 from kvserve.server.tenants import Tenant, TenantDirectory
 
@@ -32,6 +33,13 @@ WATCHDOG_PERIOD_S = 0.1
 # Rejection reasons that mean "the system is full" vs "you are over your share".
 RATE_LIMITED_REASONS = {"tenant_quota"}
 CLIENT_ABORTS = {"disconnect", "stalled"}
+# Tokens a completion prompt may gain beyond one per UTF-8 byte (BOS / EOS
+# and a prefix space the tokenizer adds): every BPE or byte-fallback token
+# covers at least one byte of the text.
+ADDED_TOKENS_SLACK = 8
+# Measured warm-up steps: admission fits the step time from MIN_FIT_STEPS
+# (decayed weight) on; a few more leave margin for the decay.
+WARM_UP_MIN_STEPS = MIN_FIT_STEPS + 4
 
 
 class APIError(Exception):
@@ -102,6 +110,12 @@ class Serving:
         self.engine = AsyncEngine(core, on_step=self._on_step)
         self._contexts: dict[str, _Context] = {}
         self._step_limits = StepLimits(core.scheduler.config.max_num_seqs, None)
+        # Request ids: a random per-process prefix and a counter. uuid4 per
+        # request costs an urandom syscall, which hands the GIL to the engine
+        # thread on every request (measurable under overload).
+        self._id_prefix = secrets.token_hex(6)
+        self._id_counter = itertools.count()
+        self._chat_bytes_per_message = self._chat_template_overhead_bytes()
         self._watchdog: asyncio.Task | None = None
         self.started = False
         self.draining = False
@@ -109,9 +123,28 @@ class Serving:
     # ---- lifecycle ---------------------------------------------------------
 
     async def start(self) -> None:
+        if self.config.warm_up:
+            await self._warm_up()
         self.engine.start()
         self._watchdog = asyncio.create_task(self._watch())
         self.started = True
+
+    async def _warm_up(self) -> None:
+        """Fit the step-time model before traffic: a cold controller has no
+        running cap and no service time, so the first burst would be
+        admitted on guesses and then wait (seconds of TTFT). Failure only
+        costs the cold start, never the server."""
+        start = time.perf_counter()
+        try:
+            steps = await asyncio.to_thread(self.engine.warm_up, WARM_UP_MIN_STEPS)
+        except Exception:
+            log.exception("warm-up failed; starting cold")
+            return
+        for step in steps:
+            self.admission.observe_step(*step)
+        self._push_step_limits(0)
+        log.info("warm-up: %d steps in %.2f s; running cap %d", len(steps), time.perf_counter() - start,
+                 self._step_limits.max_running)
 
     async def drain(self, grace_s: float) -> None:
         """Stop admitting; let in-flight requests finish for up to grace_s,
@@ -240,17 +273,91 @@ class Serving:
                                 f"{self.model_name!r}", "invalid_request_error", "model_not_found", "model")
         try:
             protocol.refuse_unsupported(body)
+        except InvalidParameter as exc:
+            raise bad_request(exc) from None
+        deadline = self._deadline(headers, arrival)
+        priority, is_retry = protocol.priority_of(body, tenant.priority), _is_retry(headers)
+        self._refuse_before_tokenizing(kind, body, tenant, priority, is_retry, deadline)
+        try:
             prompt = self._prompt_token_ids(kind, body)
             max_tokens, defaulted = self._max_tokens(body, len(prompt))
             params = protocol.sampling_params(body, max_tokens, self.vocab_size)
         except InvalidParameter as exc:
             raise bad_request(exc) from None
-        deadline = self._deadline(headers, arrival)
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _Prepared(kind, f"{prefix}-{uuid.uuid4().hex}", prompt, params, defaulted, arrival,
-                         protocol.priority_of(body, tenant.priority), tenant, _is_retry(headers),
+        request_id = f"{prefix}-{self._id_prefix}{next(self._id_counter):010x}"
+        return _Prepared(kind, request_id, prompt, params, defaulted, arrival, priority, tenant, is_retry,
                          deadline, bool(body.stream), include_usage)
+
+    def _refuse_before_tokenizing(self, kind: str, body, tenant: Tenant, priority: int, is_retry: bool,
+                                  deadline: float | None) -> None:
+        """429 without tokenizing or building sampling state when admission
+        would refuse any request of this class and tenant, whatever its size.
+
+        Under overload most requests are refused; tokenizing them (and the
+        chat template) is CPU taken from the engine on a shared machine.
+        Only done when a cheap upper bound on the prompt's tokens shows that
+        none of the size-dependent 400s (prompt too long, max_tokens past the
+        context, never fits the cache or the tenant's tokens per minute)
+        applies, so those keep their status. The other 400s of a request
+        refused here (bad sampling fields, non-text content parts, a chat
+        template that rejects the messages) surface when it is retried."""
+        bound = self._prompt_token_bound(kind, body)
+        if bound is None or not self._size_cannot_be_refused(bound, body, tenant):
+            return
+        decision = self.admission.refusal_for_any_size(priority, tenant.name, is_retry, deadline)
+        if decision is not None:
+            self.metrics.record_admission(decision.outcome, decision.reason)
+            raise _rejection(decision)
+
+    def _prompt_token_bound(self, kind: str, body) -> int | None:
+        """At least as many tokens as the prompt has; None if unknown or the
+        prompt is malformed (the full path gives the 400)."""
+        if kind == "chat":
+            if self._chat_bytes_per_message is None:
+                return None
+            num_bytes = 0
+            for message in body.messages:
+                content = message.content
+                if isinstance(content, list):
+                    content = "".join(p.text or "" for p in content)
+                num_bytes += len((content or "").encode()) + len(message.role.encode())
+            return num_bytes + self._chat_bytes_per_message * len(body.messages)
+        prompt = body.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return len(prompt.encode()) + ADDED_TOKENS_SLACK if prompt else None
+        vocab = self.vocab_size
+        if prompt and all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            return len(prompt)
+        return None
+
+    def _size_cannot_be_refused(self, bound: int, body, tenant: Tenant) -> bool:
+        """True when a prompt of at most `bound` tokens with the body's
+        max_tokens can get none of the size-dependent 400s."""
+        requested = protocol.requested_max_tokens(body)
+        if requested is None:
+            if self.admission_config.require_max_tokens:
+                return False
+            requested = self.admission_config.default_max_tokens
+        if requested < 1 or bound + requested > self.max_model_len:
+            return False
+        if self.admission.blocks_needed(bound, requested) > self.admission.num_blocks:
+            return False
+        tokens_per_minute = tenant.limits.tokens_per_minute
+        return tokens_per_minute is None or bound + requested <= tokens_per_minute
+
+    def _chat_template_overhead_bytes(self) -> int | None:
+        """UTF-8 bytes the chat template adds around one message (system
+        prompt, role markers, generation prompt), for `_prompt_token_bound`;
+        None when it cannot be measured."""
+        try:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": ""}])
+        except (ValueError, AttributeError):
+            return None
+        return len(text.encode()) + ADDED_TOKENS_SLACK
 
     def _prompt_token_ids(self, kind: str, body) -> list[int]:
         if kind == "chat":
@@ -391,19 +498,35 @@ class Serving:
                           protocol.usage(len(p.prompt_token_ids), num_out, _cached(last)))
 
     async def _sse(self, shape, stream: RequestStream, first, p: _Prepared) -> AsyncIterator[str]:
-        item, last, is_first = first, None, True
+        """One `data:` event per batch of outputs ready together: when the
+        reader falls behind the engine (overload, a slow client), the tokens
+        that piled up go out as one multi-token delta instead of one event
+        each, which saves the JSON encoding and the socket write per token
+        that compete with the engine for the CPU. Logprobs keep one entry
+        per token; text_offset counts from the start of the completion."""
+        pending, last, is_first, text_offset = [first], None, True, 0
+        wants_logprobs = p.params.logprobs is not None
         try:
-            while not isinstance(item, Finished):
-                lp = _new_logprobs(item) if p.params.logprobs is not None else None
-                finish = item.finish_reason if item.finished else None
-                if item.new_text or finish or is_first or lp:
-                    yield shape.chunk(item.new_text, finish, lp, first=is_first,
-                                      with_usage_field=p.include_usage)
-                    is_first = False
-                last = item
-                item = await stream.next()
+            while True:
+                batch = pending + stream.ready()
+                outputs = [x for x in batch if not isinstance(x, Finished)]
+                end = batch[-1] if isinstance(batch[-1], Finished) else None  # Finished comes last
+                if outputs:
+                    newest = outputs[-1]
+                    text = "".join(o.new_text for o in outputs)
+                    lp = [x for o in outputs for x in _new_logprobs(o)] if wants_logprobs else None
+                    finish = newest.finish_reason if newest.finished else None
+                    if text or finish or is_first or lp:
+                        yield shape.chunk(text, finish, lp, first=is_first,
+                                          with_usage_field=p.include_usage, text_offset=text_offset)
+                        is_first = False
+                        text_offset += shape.text_length(lp)
+                    last = newest
+                if end is not None:
+                    break
+                pending = [await stream.next()]
             if last is None or not last.finished:  # aborted mid-stream: say so
-                yield shape.chunk(None, item.finish_reason, None, with_usage_field=p.include_usage)
+                yield shape.chunk(None, end.finish_reason, None, with_usage_field=p.include_usage)
             if p.include_usage:
                 num_out = len(last.token_ids) if last is not None else 0
                 yield shape.usage_chunk(protocol.usage(len(p.prompt_token_ids), num_out, _cached(last)))

@@ -31,7 +31,7 @@ def make_request(rid, num_prompt=8, max_tokens=4, priority=0, tenant="default", 
                  first_token=1, **params):
     return Request(rid, list(range(first_token, first_token + num_prompt)),
                    SamplingParams(max_tokens=max_tokens, **params), arrival_time=arrival,
-                   eos_token_id=EOS, priority=priority, tenant=tenant)
+                   eos_token_ids=(EOS,), priority=priority, tenant=tenant)
 
 
 def step(sched, clock=None, token=NON_EOS, dt=0.01):

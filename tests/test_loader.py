@@ -14,6 +14,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a model hub
 
+from kvserve.contract import SamplingParams  # noqa: E402
+from kvserve.engine.core import EngineConfig, EngineCore  # noqa: E402
 from kvserve.model import default_model  # noqa: E402
 from kvserve.model.config import ModelLoadError  # noqa: E402
 from kvserve.model.loader import LoadedModel, default_model_path, load_model, load_tokenizer  # noqa: E402
@@ -327,6 +329,10 @@ def test_sharded_bf16_folder_and_eos_from_generation_config(tmp_path):
     assert loaded.tokenizer.eos_token_ids == (2, 0)
     _assert_weights_equal(loaded, _state_dict_without_tied_head(model))
     assert all(t.dtype == torch.float32 for t in loaded.weights.values())
+    # The engine stops on every one of them, not only the first.
+    engine = EngineCore(loaded.config, loaded.weights, loaded.tokenizer,
+                        EngineConfig.from_sizes("1MiB"), versions=loaded.versions)
+    assert engine.new_request([5, 6], SamplingParams(max_tokens=2)).eos_token_ids == (2, 0)
 
 
 def test_folder_revision_changes_with_its_files(tmp_path):

@@ -11,10 +11,10 @@ from kvserve.model.sampler import Sampler
 VOCAB = 16
 
 
-def make_request(request_id: str, num_output_tokens: int = 0, eos_token_id: int | None = None,
+def make_request(request_id: str, num_output_tokens: int = 0, eos_token_ids: tuple[int, ...] = (),
                  **params) -> Request:
     request = Request(request_id, [1, 2, 3], SamplingParams(max_tokens=1000, **params), 0.0,
-                      eos_token_id=eos_token_id)
+                      eos_token_ids=eos_token_ids)
     request.output_token_ids.extend([5] * num_output_tokens)
     return request
 
@@ -94,10 +94,11 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
     logits = torch.zeros(2, VOCAB)
     logits[:, 7] = 10.0  # EOS is by far the most likely
     logits[:, 8] = 9.0  # then a stop token
-    early = make_request("early", num_output_tokens=1, eos_token_id=7, min_tokens=3, stop_token_ids=(8,))
-    done = make_request("done", num_output_tokens=3, eos_token_id=7, min_tokens=3, stop_token_ids=(8,))
+    logits[:, 9] = 9.5  # and the model's second EOS
+    early = make_request("early", num_output_tokens=1, eos_token_ids=(7, 9), min_tokens=3, stop_token_ids=(8,))
+    done = make_request("done", num_output_tokens=3, eos_token_ids=(7, 9), min_tokens=3, stop_token_ids=(8,))
     out = Sampler(device="cpu").sample(logits.clone(), [early, done])
-    assert out.token_ids["early"] not in (7, 8)
+    assert out.token_ids["early"] not in (7, 8, 9)
     assert out.token_ids["done"] == 7
 
 

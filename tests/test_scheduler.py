@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvserve.contract import RequestStatus
+from kvserve.contract import Request, RequestStatus, SamplingParams
 from tests.scheduler_helpers import EOS, NON_EOS, make_request, make_scheduler, step
 
 
@@ -36,6 +36,23 @@ def test_chunked_prefill_splits_prompt_and_samples_only_at_the_end():
     assert r.output_token_ids == [NON_EOS]
     assert r.timestamps.first_token is not None
 
+
+
+def test_any_of_several_eos_ids_stops_the_request():
+    """Models ship several end tokens (Llama 3 Instruct: <|eot_id|> and
+    <|end_of_text|>); each must end the request, not only the first."""
+    sched, clock = make_scheduler()
+    second_eos = NON_EOS + 1
+    both = Request("both", [1, 2, 3], SamplingParams(max_tokens=10), arrival_time=0.0,
+                   eos_token_ids=(EOS, second_eos))
+    only_first = make_request("first-only", max_tokens=10)
+    for r in (both, only_first):
+        sched.add_request(r)
+    step(sched, clock, token=NON_EOS)
+    step(sched, clock, token=second_eos)
+    assert both.status == RequestStatus.FINISHED_STOPPED and both.output_token_ids == [NON_EOS, second_eos]
+    assert only_first.status == RequestStatus.RUNNING
+    sched.kv_cache.check_integrity()
 
 def test_stop_conditions():
     sched, clock = make_scheduler()

@@ -49,7 +49,7 @@ def _replay(trace, config: SimConfig):
         if kind == "add":
             _, now, rid, prompt, max_tokens, priority, tenant, namespace = entry
             scheduler.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                                          arrival_time=now, eos_token_id=SIM_EOS_TOKEN_ID,
+                                          arrival_time=now, eos_token_ids=(SIM_EOS_TOKEN_ID,),
                                           priority=priority, tenant=tenant, cache_namespace=namespace))
         elif kind == "schedule":
             scheduler.set_step_limits(*entry[2])

@@ -164,7 +164,9 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
-    eos_token_id: int | None = None
+    # Any of these ends the request (unless ignore_eos): models ship several,
+    # e.g. Llama 3 Instruct's <|eot_id|> beside <|end_of_text|>.
+    eos_token_ids: tuple[int, ...] = ()
     priority: int = 0  # lower = more urgent
     tenant: str = "default"
     deadline: float | None = None  # absolute time on the engine clock

@@ -85,7 +85,7 @@ class EngineCore:
             clock=clock)
         # Prefix-cache namespace: KV computed by other weights must never be reused.
         self.cache_namespace = versions.model_revision if versions is not None else ""
-        self.eos_token_id = tokenizer.eos_token_id
+        self.eos_token_ids = tokenizer.eos_token_ids
         self._states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
         # The latest step's batch: its shape (decode sequences, prefill
@@ -101,7 +101,7 @@ class EngineCore:
         return Request(request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
                        prompt_token_ids=list(prompt_token_ids), sampling_params=sampling_params,
                        arrival_time=self.clock() if arrival_time is None else arrival_time,
-                       eos_token_id=self.eos_token_id, cache_namespace=self.cache_namespace, **fields)
+                       eos_token_ids=self.eos_token_ids, cache_namespace=self.cache_namespace, **fields)
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ValueError (engine unchanged) if its prompt has

@@ -110,8 +110,7 @@ def _mask_until_min_tokens(logits: Tensor, requests: Sequence[Request]) -> None:
         if request.num_output_tokens >= params.min_tokens:
             continue
         banned = list(params.stop_token_ids)
-        if request.eos_token_id is not None:
-            banned.append(request.eos_token_id)
+        banned.extend(request.eos_token_ids)
         if banned:
             logits[row, banned] = float("-inf")
 

@@ -295,7 +295,7 @@ class Scheduler:
         num_output = len(request.output_token_ids)
         steps = min(params.max_tokens - num_output,
                     self.config.max_model_len - len(request.prompt_token_ids) - num_output)
-        if (token_id == request.eos_token_id and not params.ignore_eos) or token_id in params.stop_token_ids:
+        if (token_id in request.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
             steps = min(steps, params.min_tokens - num_output)
         return max(1, steps)
 
@@ -333,7 +333,7 @@ class Scheduler:
         params = request.sampling_params
         num_output = len(request.output_token_ids)
         if num_output >= params.min_tokens:
-            if token_id == request.eos_token_id and not params.ignore_eos:
+            if token_id in request.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED

@@ -233,7 +233,7 @@ class Serving:
         decision, admitted_params = self._admit(prepared)
         response_headers = self._headers(prepared, decision, admitted_params)
         request = Request(prepared.request_id, prepared.prompt_token_ids, admitted_params,
-                          arrival_time=prepared.arrival, eos_token_id=self.tokenizer.eos_token_id,
+                          arrival_time=prepared.arrival, eos_token_ids=self.tokenizer.eos_token_ids,
                           priority=prepared.priority, tenant=tenant.name, deadline=prepared.deadline,
                           cache_namespace=self._namespace(tenant))
         self._contexts[request.request_id] = _Context(len(prepared.prompt_token_ids))

@@ -320,7 +320,7 @@ class Simulator:
                 return
             max_tokens = admitted_tokens
         request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                          arrival_time=now, eos_token_id=SIM_EOS_TOKEN_ID, priority=spec.priority,
+                          arrival_time=now, eos_token_ids=(SIM_EOS_TOKEN_ID,), priority=spec.priority,
                           tenant=spec.tenant, cache_namespace=self._namespace(spec))
         self._end_run_after_in_flight(replica)
         try:

@@ -81,3 +81,20 @@ def test_bad_profiles_are_clear_errors(tmp_path):
         load_profile(path)
     with pytest.raises(ValueError, match="unknown hardware"):
         resolve_hardware("b300")
+
+
+@pytest.mark.parametrize("model", [
+    RooflineCostModel(LLAMA_8B, hardware_preset("h100")),
+    LinearCostModel(0.004, 1e-5, 2e-5, 3e-8, 1e-11),
+], ids=["roofline", "linear"])
+def test_decode_step_ends_are_the_summed_step_times_exactly(model):
+    # The simulator's decode runs take their step times from
+    # decode_step_ends_s: the very floats one step_time_s per step gives.
+    from kvserve.sim.cost_model import decode_step_ends_s
+
+    shapes = [(n, n * 700 + 13 * i) for i, n in enumerate([1, 3, 3, 40, 256, 255, 7, 1])]
+    t, expected = 12.345, []
+    for num_seqs, kv_tokens in shapes:
+        t = t + model.step_time_s(StepShape(0, num_seqs, kv_tokens, kv_tokens))
+        expected.append(t)
+    assert decode_step_ends_s(model, 12.345, shapes) == expected

@@ -137,3 +137,37 @@ def test_no_run_while_a_request_waits_or_prefills():
     assert sched.plan_decode_run(10, NON_EOS) is not None
     sched.add_request(make_request("b", num_prompt=4, max_tokens=10))
     assert sched.plan_decode_run(10, NON_EOS) is None
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("split", [0, 1, 9])
+def test_apply_steps_leaves_what_single_steps_leave(seed, split):
+    # apply_steps visits only the steps with events (block boundaries,
+    # finishes): the state, finishes and token times match k single steps.
+    # `split` steps go through update_step first: the two mix.
+    single, single_clock = _steady_batch(seed)
+    multi, _ = _steady_batch(seed)
+    batch = list(single._requests.values())
+    run = multi.plan_decode_run(40, NON_EOS)
+    assert run is not None and run.num_steps > split + 2
+    start_s = single_clock.now
+    end_times = [start_s + 0.01 * (i + 1) for i in range(run.num_steps)]
+    run.schedule_step(0)
+    for i in range(split):
+        run.update_step(i, end_times[i])
+        run.schedule_step(i + 1)
+    middle = (split + run.num_steps) // 2
+    finished = run.apply_steps(middle, end_times, run.num_steps - 1)
+    finished += run.apply_steps(run.num_steps - 1, end_times, run.num_steps - 1)
+    run.close()
+    single_finished = []
+    for i in range(run.num_steps):
+        single_clock.now = end_times[i]
+        out = single.schedule()
+        single.update(out, {c.request.request_id: NON_EOS for c in out.chunks})
+        single_finished += [(i, c.request.request_id) for c in out.chunks
+                            if c.request.is_finished and i >= split]
+    assert _state(multi) == _state(single)
+    assert _finished(run.requests) == _finished(batch)
+    assert [(i, r.request_id) for i, r in finished] == single_finished
+    assert finished, "some requests must finish inside the applied steps"

@@ -85,8 +85,16 @@ class KVCacheManager:
         projection); no state change, no stats."""
         if not self.enable_prefix_caching:
             return 0
+        return self.count_cached_tokens_of(hash_prefix_blocks(token_ids[:-1], self.block_size, namespace))
+
+    def count_cached_tokens_of(self, block_hashes: list[bytes]) -> int:
+        """count_cached_tokens for a prompt whose chained block hashes the
+        caller has already (`hash_prefix_blocks` of all but its last token),
+        e.g. to keep them as the request's `block_hashes` and hash it once."""
+        if not self.enable_prefix_caching:
+            return 0
         num = 0
-        for block_hash in hash_prefix_blocks(token_ids[:-1], self.block_size, namespace):
+        for block_hash in block_hashes:
             if self.pool.lookup(block_hash) is None:
                 break
             num += self.block_size
@@ -101,9 +109,8 @@ class KVCacheManager:
         Returns the newly allocated blocks (possibly empty), or None with no
         state change when the pool cannot supply them."""
         held = self._blocks.get(request.request_id)
-        if computed is None and held is not None and \
-                request.num_computed_tokens + num_new_tokens <= len(held) * self.block_size:
-            return []  # fast path: a decode step inside the last block
+        if computed is None and held is not None:
+            return self._extend(request.request_id, held, request.num_computed_tokens + num_new_tokens)
         computed = computed or NO_HIT
         num_held = len(held) if held is not None else 0
         num_tokens_after = request.num_computed_tokens + computed.num_tokens + num_new_tokens
@@ -123,6 +130,20 @@ class KVCacheManager:
         held.extend(computed.blocks)
         held.extend(new_blocks)
         self._block_ids[request.request_id].extend(b.block_id for b in (*computed.blocks, *new_blocks))
+        return new_blocks
+
+    def _extend(self, request_id: str, held: list[KVBlock], num_tokens_after: int) -> list[KVBlock] | None:
+        """allocate_slots for a request that holds blocks and brings no prefix
+        hit (every step of a running request): the same result and state
+        change with less work, since decode steps call it most."""
+        num_new_blocks = -(-num_tokens_after // self.block_size) - len(held)
+        if num_new_blocks <= 0:
+            return []  # a decode step inside the last block
+        new_blocks = self.pool.allocate(num_new_blocks)
+        if new_blocks is None:
+            return None
+        held.extend(new_blocks)
+        self._block_ids[request_id].extend([b.block_id for b in new_blocks])
         return new_blocks
 
     def cache_computed_blocks(self, request: Request) -> None:

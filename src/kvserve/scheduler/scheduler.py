@@ -26,6 +26,7 @@ Pure Python: the clock is injected, no torch.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -363,7 +364,8 @@ class DecodeRun:
     `update_step(i, now)` when it ends. After each call the KV cache (block
     tables, prefix-cache registrations, free and evictable blocks), the
     running set and every finished request are exactly what schedule() /
-    update() would have left. The progress of a request with no event in a
+    update() would have left. `apply_steps` does the same for a stretch of
+    steps whose end times are known, visiting only the steps with events. The progress of a request with no event in a
     step (num_computed_tokens, output tokens, token timestamps) lags until
     `in_flight_output` or `close` brings every request up to date.
     """
@@ -382,36 +384,51 @@ class DecodeRun:
         self._updates: dict[int, list[int]] = {}  # step -> indexes that fill a block or finish
         self.num_steps = self._plan(max_steps)
         self.shapes = self._step_shapes()
+        # Steps i whose update_step(i) or schedule_step(i + 1) does any work,
+        # ascending: apply_steps visits only these.
+        self._event_steps = sorted({i for i in self._updates if i < self.num_steps}
+                                   | {i - 1 for i in self._allocations if 0 < i < self.num_steps})
+        self._next_event = 0  # index into _event_steps of the first not yet applied
+        self._finish_steps = sorted(last for last in self._last_step if last < self.num_steps)
 
     def _plan(self, max_steps: int) -> int:
         """Collect the steps' events; return how many steps surely fit the KV
         cache (stopping before the first step whose new blocks might not fit,
         so a preemption still happens in an ordinary step)."""
         max_steps = min(max_steps, max(self._last_step) + 1)  # no step after the batch is done
-        block_size = self._kv.block_size
-        caching = self._kv.enable_prefix_caching
+        kv, block_size = self._kv, self._kv.block_size
+        caching = kv.enable_prefix_caching
+        allocations, updates_at = self._allocations, self._updates  # run once per run and request: locals
         freed: dict[int, int] = {}
         for index, request in enumerate(self.requests):
             computed = self._start[index]
-            last = min(self._last_step[index], max_steps - 1)
-            held_tokens = self._kv.num_held_blocks(request.request_id) * block_size
+            last_step = self._last_step[index]
+            last = min(last_step, max_steps - 1)
+            held_tokens = kv.num_held_blocks(request.request_id) * block_size
             # Step i runs token computed + i: it needs a new block when that
             # position passes the blocks held, then every block_size steps.
             crossings = range(max(0, held_tokens - computed), last + 1, block_size)
             for i in crossings:
-                self._allocations.setdefault(i, []).append(index)
+                if i in allocations:
+                    allocations[i].append(index)
+                else:
+                    allocations[i] = [index]
             if caching:  # step i completes a block when computed + i + 1 is a multiple
                 for i in range(-(computed + 1) % block_size, last + 1, block_size):
-                    self._updates.setdefault(i, []).append(index)
-            if self._last_step[index] < max_steps:
-                updates = self._updates.setdefault(last, [])
+                    if i in updates_at:
+                        updates_at[i].append(index)
+                    else:
+                        updates_at[i] = [index]
+            if last_step < max_steps:
+                updates = updates_at.setdefault(last, [])
                 if not updates or updates[-1] != index:
                     updates.append(index)
                 # Only its blocks from this run are surely its alone (shared
                 # prefix blocks may stay held): a lower bound on what it frees.
                 freed[last] = freed.get(last, 0) + len(crossings)
         available = self._kv.num_free_blocks
-        for i in range(max_steps):
+        # Only steps that allocate or free change the count (ascending order).
+        for i in sorted(self._allocations.keys() | freed.keys()):
             need = len(self._allocations.get(i, ()))
             if need > available:
                 return i
@@ -434,14 +451,22 @@ class DecodeRun:
                 context -= self._start[index]
         return shapes
 
+    def num_finishing(self, first: int, last: int) -> int:
+        """How many requests steps first..last finish (no state change): a
+        caller can know the running count after those steps without
+        applying them."""
+        return bisect.bisect_right(self._finish_steps, last) - bisect.bisect_left(self._finish_steps, first)
+
     def batch_at(self, step: int) -> list[tuple[Request, int]]:
         """(request, first position run) of every request in step `step`."""
         return [(r, self._start[i] + step) for i, r in enumerate(self.requests) if self._last_step[i] >= step]
 
     def schedule_step(self, step: int) -> None:
         """Allocate the blocks step `step` needs (what schedule() does for it)."""
+        synced = self._synced
         for index in self._allocations.get(step, ()):
-            self._sync(index, step)
+            if synced[index] < step:
+                self._sync(index, step)
             if self._kv.allocate_slots(self.requests[index], 1) is None:
                 raise AssertionError("a planned decode step ran out of KV blocks")
 
@@ -452,10 +477,15 @@ class DecodeRun:
         if len(self.end_times) != step:
             raise ValueError(f"update_step({step}) after {len(self.end_times)} updated steps")
         self.end_times.append(now)
+        return self._update_events(step, now)
+
+    def _update_events(self, step: int, now: float) -> list[Request]:
         finished = []
+        synced = self._synced
         for index in self._updates.get(step, ()):
             request = self.requests[index]
-            self._sync(index, step + 1)
+            if synced[index] <= step:
+                self._sync(index, step + 1)
             self._kv.cache_computed_blocks(request)
             if self._last_step[index] == step:
                 status = self._scheduler._stop_status(request, self._token_id)
@@ -463,6 +493,31 @@ class DecodeRun:
                     raise AssertionError(f"{request.request_id} planned to stop at step {step} but does not")
                 self._scheduler._finish(request, status, now)
                 finished.append(request)
+        return finished
+
+    def apply_steps(self, last: int, end_times: list[float], last_scheduled: int) -> list[tuple[int, Request]]:
+        """Update the steps after those updated so far through `last`, step i
+        ending at end_times[i], scheduling step i + 1 after each update while
+        i < `last_scheduled`: the same as update_step(i, end_times[i]) then
+        schedule_step(i + 1) for each i, with Python work only for steps that
+        have any. The caller has called schedule_step for the first of them.
+        Returns (step, request) of the requests finished, in order."""
+        first = len(self.end_times)
+        if last < first:
+            return []
+        self.end_times.extend(end_times[first:last + 1])
+        events, position = self._event_steps, self._next_event
+        while position < len(events) and events[position] < first:
+            position += 1  # stepped through update_step / schedule_step already
+        finished = []
+        while position < len(events) and events[position] <= last:
+            step = events[position]
+            position += 1
+            for request in self._update_events(step, end_times[step]):
+                finished.append((step, request))
+            if step < last_scheduled:
+                self.schedule_step(step + 1)
+        self._next_event = position
         return finished
 
     def in_flight_output(self, step: int) -> SchedulerOutput:

@@ -59,6 +59,23 @@ class CostModel(Protocol):
     def describe(self) -> dict: ...
 
 
+def decode_step_ends_s(model: CostModel, start_s: float, shapes: list[tuple[int, int]]) -> list[float]:
+    """End times of consecutive pure-decode steps from `start_s`, one per
+    (decoding sequences, KV tokens read) shape: what adding up
+    step_time_s(StepShape(0, seqs, kv, kv)) gives (a decode's attention
+    pairs equal its KV read). A model's own `decode_step_ends_s` computes
+    the same floats without a StepShape per step (a simulated hour has
+    millions of decode steps)."""
+    own = getattr(model, "decode_step_ends_s", None)
+    if own is not None:
+        return own(start_s, shapes)
+    ends, t = [], start_s
+    for num_seqs, kv_tokens in shapes:
+        t = t + model.step_time_s(StepShape(0, num_seqs, kv_tokens, kv_tokens))
+        ends.append(t)
+    return ends
+
+
 @dataclass(frozen=True)
 class RooflineCostModel:
     """Roofline step time of `config` on `hardware`.
@@ -101,6 +118,22 @@ class RooflineCostModel:
         flops = self._flops_per_token * shape.num_tokens + self._flops_per_pair * shape.attention_pairs
         traffic = self._weight_bytes + self._kv_bytes_per_token * shape.kv_tokens_read
         return max(flops / self._flops_per_s, traffic / self._bytes_per_s) + self.step_overhead_s
+
+    def decode_step_ends_s(self, start_s: float, shapes: list[tuple[int, int]]) -> list[float]:
+        """`decode_step_ends_s` of this model: step_time_s's operations, in its order."""
+        per_token, per_pair = self._flops_per_token, self._flops_per_pair
+        weights, per_kv = self._weight_bytes, self._kv_bytes_per_token
+        flops_per_s, bytes_per_s, overhead = self._flops_per_s, self._bytes_per_s, self.step_overhead_s
+        ends, t = [], start_s
+        for num_seqs, kv_tokens in shapes:
+            if num_seqs == 0:
+                ends.append(t)
+                continue
+            compute_s = (per_token * num_seqs + per_pair * kv_tokens) / flops_per_s
+            memory_s = (weights + per_kv * kv_tokens) / bytes_per_s
+            t = t + (max(compute_s, memory_s) + overhead)
+            ends.append(t)
+        return ends
 
     def describe(self) -> dict:
         return {"kind": "roofline", "hardware": asdict(self.hardware),

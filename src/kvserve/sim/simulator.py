@@ -17,11 +17,13 @@ event loop is the engine's step (schedule -> execute -> update) with
 Fast forward (multi-step decode): when a replica's batch is a steady pure
 decode, the real scheduler plans a `DecodeRun` of several steps and the
 replica applies them lazily, each at the time it would have run, whenever
-the simulation next looks at that replica (an arrival, a cancel, an
-autoscale check, the run's end). A request added to the replica ends the
-run after its in-flight step; a cancel ends it at once, handing the
-in-flight step to the ordinary update(). Each replica reads its own clock,
-so a step applied late still sees its own time. Timestamps, outcomes, preemptions and admission
+the simulation next changes or inspects that replica (an arrival routed to
+it, a cancel, an autoscale check, the run's end); the router's load read
+counts the run's finishes before now without applying its steps. A
+request added to the replica ends the run after its in-flight step; a
+cancel ends it at once, handing the in-flight step to the ordinary
+update(). Each replica reads its own clock, so a step applied late still
+sees its own time. Timestamps, outcomes, preemptions and admission
 decisions are those of single steps (tests/test_sim_fast_forward.py).
 
 Sampled tokens are a fixed non-EOS id and requests run with ignore_eos and
@@ -41,9 +43,10 @@ from kvserve.bench.report import RequestRecord
 from kvserve.bench.workload import RequestSpec
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
 from kvserve.contract import Request, SamplingParams
+from kvserve.kv_cache.hashing import hash_prefix_blocks
 from kvserve.scheduler.admission import AdmissionController, AdmissionRequest
 from kvserve.scheduler.scheduler import DecodeRun, Scheduler, SchedulerOutput
-from kvserve.sim.cost_model import CostModel, StepShape, chunk_shape
+from kvserve.sim.cost_model import CostModel, chunk_shape, decode_step_ends_s
 from kvserve.sim.router import Router
 
 # The token every simulated step "samples": any id that is not EOS works,
@@ -132,12 +135,14 @@ class SimConfig:
 class Replica:
     """One simulated server: the real scheduler and admission controller."""
 
-    def __init__(self, index: int, config: SimConfig, clock: VirtualClock, ready_s: float) -> None:
+    def __init__(self, index: int, config: SimConfig, clock: VirtualClock, ready_s: float,
+                 sim_clock: VirtualClock) -> None:
         self.index = index
         self.ready_s = ready_s
         # Its own clock: a decode run's steps are applied when the simulation
         # next looks at this replica, each at its own (earlier) time.
         self.clock = clock
+        self.sim_clock = sim_clock  # the simulation's now, which `load` answers for
         self.scheduler = Scheduler(config.scheduler, config.cache, clock)
         self.trace: list[tuple] | None = [] if config.record_trace else None
         self.admission = None if config.admission is None else AdmissionController(
@@ -166,8 +171,22 @@ class Replica:
     @property
     def load(self) -> int:
         # What stats() reports as num_running + num_waiting, without building
-        # the whole stats (the router asks every replica at every arrival).
-        return len(self.scheduler.running) + len(self.scheduler.waiting)
+        # the whole stats (the router asks every replica at every arrival),
+        # as of the simulation's now: requests a decode run finishes in
+        # steps that ended before now count as gone, as _catch_up would
+        # leave them, without applying those steps yet.
+        load = len(self.scheduler.running) + len(self.scheduler.waiting)
+        if self.run is None:
+            return load
+        last = self._last_step_before(self.sim_clock.now_s)
+        if last < self.run_next_update:
+            return load
+        return load - self.run.num_finishing(self.run_next_update, last)
+
+    def _last_step_before(self, now_s: float) -> int:
+        """The last step of the run that ended before `now_s`, never the run's
+        last (its own event applies it); -1 when none."""
+        return bisect.bisect_left(self.run_end_times, now_s, hi=self.run_last_step) - 1
 
     def stats(self) -> dict:
         s = self.scheduler.stats()
@@ -240,7 +259,7 @@ class Simulator:
         self.cost_model = cost_model
         self.clock = VirtualClock()
         self.router = Router(config.router)
-        self.replicas = [Replica(i, config, VirtualClock(), 0.0) for i in range(config.num_replicas)]
+        self.replicas = [Replica(i, config, VirtualClock(), 0.0, self.clock) for i in range(config.num_replicas)]
         self.timeline: list[tuple[float, int]] = [(0.0, config.num_replicas)]
         self._events: list[tuple[float, int, int, object]] = []
         self._seq = 0
@@ -305,23 +324,29 @@ class Simulator:
     # -- arrivals ----------------------------------------------------------
     def _arrive(self, spec: RequestSpec) -> None:
         now = self.clock.now_s
+        # The router reads every ready replica's load as of now; only the
+        # chosen one's decode run needs its steps applied.
         ready = [r for r in self.replicas if r.ready_s <= now]
-        for r in ready:  # the router reads their load as of now
-            self._catch_up(r)
         group = spec.prefix_group.group_id if spec.prefix_group else None
         replica = ready[self.router.pick(ready, group)]
+        self._catch_up(replica)
         replica.clock.advance_to(now)
         rid = f"r{spec.index}"
         prompt = synth_prompt(spec)
+        # The prompt's block hashes, computed once: the admission's prefix-hit
+        # estimate reads them and the request keeps them for the KV cache.
+        kv_cache = replica.scheduler.kv_cache
+        block_hashes = hash_prefix_blocks(prompt[:-1], kv_cache.block_size, self._namespace(spec)) \
+            if kv_cache.enable_prefix_caching else []
         max_tokens = spec.output_tokens
         if replica.admission is not None:
-            admitted_tokens = self._admit(replica, spec, rid, prompt)
+            admitted_tokens = self._admit(replica, spec, rid, prompt, block_hashes)
             if admitted_tokens is None:
                 return
             max_tokens = admitted_tokens
         request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                           arrival_time=now, eos_token_ids=(SIM_EOS_TOKEN_ID,), priority=spec.priority,
-                          tenant=spec.tenant, cache_namespace=self._namespace(spec))
+                          tenant=spec.tenant, cache_namespace=self._namespace(spec), block_hashes=block_hashes)
         self._end_run_after_in_flight(replica)
         try:
             replica.scheduler.add_request(request)
@@ -342,9 +367,10 @@ class Simulator:
         # As the server does: tenants never share cached KV.
         return f"{self.config.cache_namespace}:{spec.tenant}"
 
-    def _admit(self, replica: Replica, spec: RequestSpec, rid: str, prompt: list[int]) -> int | None:
+    def _admit(self, replica: Replica, spec: RequestSpec, rid: str, prompt: list[int],
+               block_hashes: list[bytes]) -> int | None:
         """max_tokens to run with, or None when refused (recorded)."""
-        cached = replica.scheduler.kv_cache.count_cached_tokens(prompt, self._namespace(spec))
+        cached = replica.scheduler.kv_cache.count_cached_tokens_of(block_hashes)
         ask = AdmissionRequest(rid, len(prompt), spec.output_tokens, num_cached_tokens=cached,
                                priority=spec.priority, tenant=spec.tenant)
         decision = replica.admission.check(ask)
@@ -422,11 +448,7 @@ class Simulator:
         run = scheduler.plan_decode_run(replica.run_steps_planned, SIM_TOKEN_ID)
         if run is None or run.num_steps < 2:
             return False
-        t = replica.clock.now_s
-        end_times = []
-        for num_seqs, kv_tokens in run.shapes:  # as chunk_shape sums a decode batch
-            t = t + self.cost_model.step_time_s(StepShape(0, num_seqs, kv_tokens, kv_tokens))
-            end_times.append(t)
+        end_times = decode_step_ends_s(self.cost_model, replica.clock.now_s, run.shapes)
         replica.run, replica.run_end_times, replica.run_next_update = run, end_times, 0
         replica.run_last_step = run.num_steps - 1
         replica.run_started_s = replica.clock.now_s
@@ -447,6 +469,9 @@ class Simulator:
         _finish_step would, then schedule the next step. The hot loop of an
         hour-long simulation: most steps have no event but the admission
         controller's step measurement."""
+        if replica.trace is None:
+            self._apply_run_steps(replica, last)
+            return
         run, end_times, clock = replica.run, replica.run_end_times, replica.clock
         admission, trace = replica.admission, replica.trace
         step = replica.run_next_update
@@ -472,13 +497,39 @@ class Simulator:
                 else:
                     self._schedule_run_step(replica, step + 1)
 
+    def _apply_run_steps(self, replica: Replica, last: int) -> None:
+        """_update_run_steps without a trace: the run applies its steps with
+        events in one call; per step only the step accounting and the
+        admission controller's step measurement remain, and each finish is
+        reported at its step's end as a single step would."""
+        run, end_times, admission = replica.run, replica.run_end_times, replica.admission
+        first = replica.run_next_update
+        finished = run.apply_steps(last, end_times, replica.run_last_step)
+        replica.run_next_update = last + 1
+        next_finish = 0
+        started_s = end_times[first - 1] if first else replica.run_started_s
+        busy_s, shapes = replica.busy_s, run.shapes
+        for step in range(first, last + 1):
+            now = end_times[step]
+            step_s = now - started_s
+            started_s = now
+            busy_s += step_s
+            if admission is not None:
+                admission.observe_step(shapes[step][0], 0, step_s)
+            while next_finish < len(finished) and finished[next_finish][0] == step:
+                replica.clock.advance_to(now)
+                self._end(finished[next_finish][1].request_id, "success", 200, None)
+                next_finish += 1
+        replica.busy_s = busy_s
+        replica.num_steps += last + 1 - first
+        replica.clock.advance_to(end_times[last])
+
     def _catch_up(self, replica: Replica) -> None:
         """Apply the run's steps that ended before now (an event at the same
         time as a step's end comes first, as it would with single steps)."""
         if replica.run is None:
             return
-        # Steps ending before now, never the last (its own event applies it).
-        last = bisect.bisect_left(replica.run_end_times, self.clock.now_s, hi=replica.run_last_step) - 1
+        last = replica._last_step_before(self.clock.now_s)
         if last >= replica.run_next_update:
             self._update_run_steps(replica, last)
 
@@ -580,7 +631,8 @@ class Simulator:
             if self._warm_left > 0:
                 self._warm_left -= 1
                 delay_s = rule.warm_start_s
-            self.replicas.append(Replica(len(self.replicas), self.config, VirtualClock(now), now + delay_s))
+            self.replicas.append(Replica(len(self.replicas), self.config, VirtualClock(now), now + delay_s,
+                                         self.clock))
             self.timeline.append((now, len(self.replicas)))
         if more_arrivals or self._live:
             self._push(now + rule.interval_s, _AUTOSCALE, None)

@@ -1,0 +1,62 @@
+"""The shortcuts the simulator's speed rests on give the numbers of the
+plain definitions: prompt hashes computed once, numpy summaries."""
+
+import random
+
+import pytest
+
+from kvserve.config import CacheConfig
+from kvserve.contract import Request, SamplingParams
+from kvserve.kv_cache.hashing import hash_block, hash_prefix_blocks, namespace_root
+from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.latency import PERCENTILES, percentile, summarize
+
+
+@pytest.mark.parametrize("num_tokens", [0, 3, 4, 5, 17, 64])
+def test_hash_prefix_blocks_is_the_chain_of_hash_block(num_tokens):
+    tokens = [random.Random(num_tokens).randrange(2**32) for _ in range(num_tokens)]
+    parent, chain = namespace_root("ns"), []
+    for start in range(0, num_tokens - 3, 4):
+        parent = hash_block(parent, tokens[start:start + 4])
+        chain.append(parent)
+    assert hash_prefix_blocks(tokens, 4, "ns") == chain
+
+
+def test_prompt_hashes_handed_to_the_request_serve_admission_and_the_cache():
+    # The simulator hashes a prompt once: the admission's estimate reads the
+    # hashes and the request keeps them. Both answers equal those of hashing
+    # twice, and the request's blocks get registered under the same hashes.
+    kv = KVCacheManager(CacheConfig(num_blocks=32, block_size=4))
+    prompt = list(range(100, 118))  # 4 full blocks + 2 tokens
+    first = Request("a", prompt, SamplingParams(max_tokens=2), 0.0, cache_namespace="ns")
+    kv.allocate_slots(first, len(prompt), kv.get_computed_blocks(first))
+    first.num_computed_tokens = len(prompt)
+    kv.cache_computed_blocks(first)
+    again = prompt[:13] + [999] * 5  # shares 3 full blocks
+    hashes = hash_prefix_blocks(again[:-1], 4, "ns")
+    assert kv.count_cached_tokens_of(hashes) == kv.count_cached_tokens(again, "ns") == 12
+    second = Request("b", again, SamplingParams(max_tokens=2), 0.0, cache_namespace="ns",
+                     block_hashes=hashes)
+    computed = kv.get_computed_blocks(second)
+    assert computed.num_tokens == 12
+    assert [b.block_id for b in computed.blocks] == kv.block_ids("a")[:3]
+    assert kv.count_cached_tokens_of(hash_prefix_blocks(again[:-1], 4, "other")) == 0
+
+
+def _plain_summary(values):
+    """The definition: Python's sorted() and left-to-right sum()."""
+    data = sorted(v for v in values if v is not None)
+    return {"count": len(data), "mean": sum(data) / len(data),
+            **{f"p{q}": percentile(data, q) for q in PERCENTILES}}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_summarize_gives_the_plain_definitions_numbers_exactly(seed):
+    rng = random.Random(seed)
+    floats = [rng.lognormvariate(-3, 2) for _ in range(rng.randint(1, 5000))] + [None] * 3
+    ints = [rng.randint(1, 4000) for _ in range(rng.randint(1, 5000))]
+    for values in (floats, ints, [0.1] * 1000 + [0.2], [7]):
+        got = summarize(values)
+        assert got == _plain_summary(values)
+        assert all(type(got[k]) is float for k in got if k != "count")
+    assert summarize([None])["mean"] is None

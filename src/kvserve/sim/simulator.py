@@ -466,9 +466,9 @@ class Simulator:
 
     def _update_run_steps(self, replica: Replica, last: int) -> None:
         """Apply the run's updates up to step `last`, each at its own time, as
-        _finish_step would, then schedule the next step. The hot loop of an
-        hour-long simulation: most steps have no event but the admission
-        controller's step measurement."""
+        _finish_step would, then schedule the next step. Untraced (the hot
+        loop of an hour-long simulation) the run applies them in one call;
+        traced, step by step, logging the single steps the run stands for."""
         if replica.trace is None:
             self._apply_run_steps(replica, last)
             return
@@ -479,8 +479,7 @@ class Simulator:
         for step in range(step, last + 1):
             now = end_times[step]
             clock.advance_to(now)
-            if trace is not None:
-                trace.append(("update", now))
+            trace.append(("update", now))
             finished = run.update_step(step, now)
             replica.run_next_update = step + 1
             step_s = now - started_s
@@ -492,10 +491,7 @@ class Simulator:
             for request in finished:
                 self._end(request.request_id, "success", 200, None)
             if step < replica.run_last_step:
-                if trace is None:
-                    run.schedule_step(step + 1)
-                else:
-                    self._schedule_run_step(replica, step + 1)
+                self._schedule_run_step(replica, step + 1)
 
     def _apply_run_steps(self, replica: Replica, last: int) -> None:
         """_update_run_steps without a trace: the run applies its steps with

@@ -22,6 +22,8 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 PERCENTILES = (50, 90, 95, 99)
 
 
@@ -103,8 +105,6 @@ def summarize_runs(runs: Iterable[tuple[float, int]]) -> dict[str, float | None]
     instead of a Python float per value (an hour of simulated traffic pools
     tens of millions of inter-token gaps). Same numbers: the mean is the
     left-to-right sum of the sorted values, as sum() gives."""
-    import numpy as np
-
     pairs = [(v, n) for v, n in runs if n > 0]
     if not pairs:
         return summarize(())
@@ -125,8 +125,6 @@ def summarize(values: Iterable[float | None]) -> dict[str, float | None]:
     Sorted by numpy (a simulated hour summarizes hundreds of thousands of
     requests); the numbers are those of Python's sorted() and sum(): the
     mean is the left-to-right sum of the sorted values (exact for ints)."""
-    import numpy as np
-
     data = [v for v in values if v is not None]
     if not data:
         return {"count": 0, "mean": None, **{f"p{q}": None for q in PERCENTILES}}

@@ -58,7 +58,10 @@ def bracket(before: str, after: str, path: Path) -> str:
     docs = [json.loads(Path(p).read_text()) for p in (before, after)]
     samples = [(StepShape(*(row[f] for f in StepShape._fields)), row["step_s"])
                for doc in docs for row in doc["samples"]]
-    model, stats = fit_linear_cost_model(samples, "bracketed kvserve profile", docs[0]["engine"])
+    # The token curve's knots: every sweep size either profile timed.
+    knots = sorted({n for doc in docs for n in (doc.get("token_curve") or {}).get("tokens", ())})
+    model, stats = fit_linear_cost_model(samples, "bracketed kvserve profile", docs[0]["engine"],
+                                         token_knots=tuple(knots))
     path.write_text(json.dumps(profile_json(model, stats, docs[0]["engine"], docs[0]["about"], samples)))
     return str(path)
 
@@ -86,7 +89,7 @@ def main() -> int:
     parser.add_argument("--workload", default="short", help="bench workload (same flag as kvserve bench)")
     parser.add_argument("--slo", default="ttft=3,tpot=0.5", help="SLO for goodput (bench syntax)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--profile-budget", type=float, default=60.0,
+    parser.add_argument("--profile-budget", type=float, default=90.0,
                         help="seconds of profiling before and after each rate")
     parser.add_argument("--profile", default=None, help="reuse this profile JSON instead of profiling")
     parser.add_argument("--out", default="bench-out/sim-validation")
@@ -108,7 +111,7 @@ def main() -> int:
         if args.profile is not None:
             return args.profile
         subprocess.run(kvserve("profile", *engine, "--prefill-tokens", "0,16,48,96",
-                               "--decode-batch", "0,1,2,4,8", "--context", "32,96", "--repeats", "3",
+                               "--decode-batch", "0,1,2,4,8", "--context", "32,96", "--repeats", "5",
                                "--time-budget", str(args.profile_budget), "--out", str(path)),
                        check=True, env=ENV)
         return str(path)

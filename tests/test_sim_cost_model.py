@@ -98,3 +98,79 @@ def test_decode_step_ends_are_the_summed_step_times_exactly(model):
         t = t + model.step_time_s(StepShape(0, num_seqs, kv_tokens, kv_tokens))
         expected.append(t)
     assert decode_step_ends_s(model, 12.345, shapes) == expected
+
+
+# A CPU-like weight pass: the one-row GEMV is cheap, 2-16 rows cost more
+# than 24 (a slow small-GEMM kernel), then time grows with tokens.
+CPU_CURVE = LinearCostModel(0.0, 0.0, 2e-3, 4e-6, 2e-7, token_knots=(1, 4, 16, 24, 64, 256),
+                            token_knot_s=(0.060, 0.095, 0.140, 0.115, 0.200, 0.650))
+
+
+def _cpu_like_shapes():
+    shapes = [StepShape(n, 0, n, n * (n + 1) // 2) for n in (1, 2, 4, 8, 16, 24, 32, 64, 128, 256)]
+    shapes += [StepShape(0, d, d * (c + 1), d * (c + 1)) for d in (1, 2, 4, 8, 16) for c in (32, 256, 768)]
+    shapes += [StepShape(p, d, p + d * (c + 1), p * (p + 1) // 2 + d * (c + 1))
+               for p in (16, 48) for d in (1, 4) for c in (32, 768)]
+    shapes += [StepShape(64, 0, 64 + 256, 64 * 256 + 64 * 65 // 2)]  # a second chunk of a prompt
+    return shapes
+
+
+def test_token_curve_interpolates_between_knots_and_extends_past_the_last():
+    model = CPU_CURVE
+    assert model.token_curve_s(1) == 0.060
+    assert model.token_curve_s(0) == 0.060  # flat below the first knot
+    assert model.token_curve_s(20) == pytest.approx((0.140 + 0.115) / 2)
+    assert model.token_curve_s(512) == pytest.approx(0.650 + (0.650 - 0.200) / 192 * 256)
+    falling = LinearCostModel(0.0, 0.0, 0.0, 0.0, token_knots=(1, 8), token_knot_s=(0.2, 0.1))
+    assert falling.token_curve_s(100) == 0.1  # never falls past the last knot
+    shape = StepShape(16, 2, 100, 300)
+    assert model.step_time_s(shape) == pytest.approx(
+        model.token_curve_s(18) + 2e-3 * 2 + 4e-6 * 100 + 2e-7 * 300)
+
+
+def test_fit_with_knots_recovers_a_curve_a_line_cannot():
+    samples = [(s, CPU_CURVE.step_time_s(s)) for s in _cpu_like_shapes()]
+    fitted, stats = fit_linear_cost_model(samples, token_knots=CPU_CURVE.token_knots)
+    assert fitted.token_knot_s == pytest.approx(CPU_CURVE.token_knot_s, rel=1e-6)
+    assert fitted.per_decode_seq_s == pytest.approx(2e-3, rel=1e-6)
+    assert fitted.per_kv_token_read_s == pytest.approx(4e-6, rel=1e-5)
+    assert fitted.per_attention_pair_s == pytest.approx(2e-7, rel=1e-5)
+    assert stats["mean_abs_rel_error"] < 1e-9
+    # The five-term line misses the same steps by far more.
+    _, line_stats = fit_linear_cost_model(samples)
+    assert line_stats["mean_abs_rel_error"] > 0.05
+
+
+def test_nonnegative_fit_matches_a_brute_force_search():
+    # Noisy data whose unconstrained least squares wants a negative slope.
+    import itertools
+
+    import numpy as np
+
+    from kvserve.sim.cost_model import _nnls
+
+    rng = np.random.default_rng(0)
+    a = rng.random((30, 4))
+    b = a @ np.array([1.0, -0.5, 0.3, 0.0]) + 0.01 * rng.standard_normal(30)
+    x = _nnls(a, b)
+    assert (x >= 0).all()
+    best = min(
+        (float(np.linalg.norm(a[:, list(cols)] @ np.linalg.lstsq(a[:, list(cols)], b, rcond=None)[0] - b)), cols)
+        for k in range(1, 5) for cols in itertools.combinations(range(4), k)
+        if (np.linalg.lstsq(a[:, list(cols)], b, rcond=None)[0] >= 0).all())
+    assert float(np.linalg.norm(a @ x - b)) == pytest.approx(best[0], rel=1e-9)
+
+
+def test_profile_with_a_curve_round_trips(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile_json(CPU_CURVE, {"r2": 1.0}, {"num_blocks": 64}, {}, [])))
+    loaded = load_profile(path)
+    assert loaded.token_knots == CPU_CURVE.token_knots
+    assert loaded.token_knot_s == CPU_CURVE.token_knot_s
+    shape = StepShape(40, 3, 500, 1200)
+    assert loaded.step_time_s(shape) == CPU_CURVE.step_time_s(shape)
+    path.write_text(json.dumps({"kind": "linear", "coefficients": dict.fromkeys(
+        ["intercept_s", "per_prefill_token_s", "per_decode_seq_s", "per_kv_token_read_s",
+         "per_attention_pair_s"], 0.0), "token_curve": {"tokens": [8, 4], "step_s": [0.1, 0.2]}}))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        load_profile(path)

@@ -39,3 +39,49 @@ def test_profile_document_is_accepted_by_simulate(tmp_path):
     loaded = load_profile(path)
     assert loaded.intercept_s == pytest.approx(model.intercept_s)
     assert dict(loaded.engine) == {"num_blocks": 128}
+
+
+def test_token_sweep_times_each_size_alone_and_becomes_the_curve(tmp_path):
+    from kvserve.sim.profile import swept_tokens
+
+    core = tiny_engine(tiny_llama(), num_blocks=256, max_num_batched_tokens=64, max_num_seqs=16)
+    grid = ProfileGrid(prefill_tokens=(0, 8), decode_batch=(0, 1, 4), context=(8, 40), repeats=2,
+                       time_budget_s=60, tokens=(1, 4, 16, 64, 128))
+    samples = time_engine_steps(core, grid)
+    assert not core.has_unfinished()
+    alone = {s.num_tokens for s, _ in samples if s.num_decode_seqs == 0}
+    assert {1, 4, 16, 64} <= alone
+    # 128 exceeds the 64-token budget: it would run as two chunks, so it is skipped.
+    assert swept_tokens(samples, grid) == (1, 4, 16, 64)
+    model, stats = fit_linear_cost_model(samples, token_knots=swept_tokens(samples, grid))
+    assert model.token_knots == (1, 4, 16, 64)
+    assert all(t >= 0 for t in model.token_knot_s) and max(model.token_knot_s) > 0
+    assert all(model.step_time_s(s) > 0 for s, _ in samples)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile_json(model, stats, {"num_blocks": 256}, {}, samples)))
+    assert load_profile(path).token_knot_s == model.token_knot_s
+
+
+def test_profile_command_writes_a_curve_that_simulate_reads(tmp_path, capsys):
+    from kvserve.cli import main
+
+    from .test_loader import tiny_hf_folder
+
+    folder = tiny_hf_folder(tmp_path / "model", "llama")
+    out = tmp_path / "profile.json"
+    rc = main(["profile", "--model", str(folder), "--kv-cache-memory", "4MiB", "--device", "cpu",
+               "--max-num-batched-tokens", "32", "--tokens", "1,4,16,32,64", "--prefill-tokens", "0,8",
+               "--decode-batch", "0,1,2", "--context", "8,24", "--repeats", "1", "--out", str(out)])
+    assert rc == 0
+    document = json.loads(out.read_text())
+    assert document["token_curve"]["tokens"] == [1, 4, 16, 32]  # 64 > the 32-token budget
+    assert "curve: 1:" in capsys.readouterr().out
+    rc = main(["simulate", "--model", str(folder), "--hardware", str(out), "--workload", "short",
+               "--num-requests", "6", "--rate", "2", "--out", str(tmp_path / "sim")])
+    assert rc == 0
+    report = json.loads((tmp_path / "sim" / "report.json").read_text())
+    assert report["summary"]["outcomes"]["success"] == 6
+    with pytest.raises(SystemExit):
+        main(["profile", "--tokens", "1,x"])
+    with pytest.raises(ValueError, match=">= 1"):
+        ProfileGrid(tokens=(0, 4))

@@ -10,11 +10,15 @@ attention computes. Two models answer `step_time_s(shape)`:
   traffic (all weights once + the KV read), each at an achieved fraction of
   peak, plus a fixed per-step overhead (launches, the scheduler, sampling).
 - `LinearCostModel`: coefficients fitted by `kvserve profile` to timed steps
-  of the real engine on the local machine.
+  of the real engine on the local machine, optionally with a measured curve
+  of step time over the tokens a step passes through the weights (on a CPU
+  that curve is far from a line: a GEMM of 8 rows can cost more than one of
+  24, and a few prefill tokens ride on the weight read of a decode step).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -150,8 +154,16 @@ LINEAR_FEATURES = ("intercept_s", "per_prefill_token_s", "per_decode_seq_s",
 
 @dataclass(frozen=True)
 class LinearCostModel:
-    """step_time = intercept + a x prefill tokens + b x decode seqs
-                   + c x KV tokens read + d x attention pairs (all >= 0)."""
+    """step_time = intercept + curve(tokens) + a x prefill tokens
+                   + b x decode seqs + c x KV tokens read + d x attention pairs
+
+    with every coefficient >= 0 and tokens = prefill tokens + decode seqs.
+    curve(tokens) is 0 without `token_knots`; with them it is the piecewise
+    linear function through (token_knots[i], token_knot_s[i]): flat below the
+    first knot, extended past the last along the last segment (never
+    falling). A fit with a curve puts the intercept and the per-prefill-token
+    cost into it; b then is what a decoding sequence costs beyond its token's
+    pass through the weights (sampling, detokenizing, its attention call)."""
 
     intercept_s: float
     per_prefill_token_s: float
@@ -162,23 +174,54 @@ class LinearCostModel:
     # The profiled engine's KV cache size and its other limits, so a
     # simulation of "this machine" defaults to the same cache.
     engine: tuple[tuple[str, int], ...] = ()
+    token_knots: tuple[int, ...] = ()
+    token_knot_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name in LINEAR_FEATURES:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        knots, values = self.token_knots, self.token_knot_s
+        if len(knots) != len(values):
+            raise ValueError(f"{len(knots)} token knots but {len(values)} knot times")
+        if any(b <= a for a, b in zip(knots, knots[1:])) or (knots and knots[0] < 0):
+            raise ValueError(f"token knots must be >= 0 and strictly increasing, got {list(knots)}")
+        if any(v < 0 for v in values):
+            raise ValueError("knot times must be >= 0")
+
+    def token_curve_s(self, num_tokens: int) -> float:
+        """The curve's step time at `num_tokens` (0 without knots)."""
+        knots, values = self.token_knots, self.token_knot_s
+        if not knots:
+            return 0.0
+        if num_tokens <= knots[0]:
+            return values[0]
+        if num_tokens >= knots[-1]:
+            if len(knots) == 1:
+                return values[-1]
+            slope = (values[-1] - values[-2]) / (knots[-1] - knots[-2])
+            return values[-1] + max(0.0, slope) * (num_tokens - knots[-1])
+        i = bisect.bisect_right(knots, num_tokens)
+        x0, x1, y0, y1 = knots[i - 1], knots[i], values[i - 1], values[i]
+        return y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0)
 
     def step_time_s(self, shape: StepShape) -> float:
         if shape.num_tokens == 0:
             return 0.0
-        return (self.intercept_s + self.per_prefill_token_s * shape.num_prefill_tokens
-                + self.per_decode_seq_s * shape.num_decode_seqs
-                + self.per_kv_token_read_s * shape.kv_tokens_read
-                + self.per_attention_pair_s * shape.attention_pairs)
+        t = (self.intercept_s + self.per_prefill_token_s * shape.num_prefill_tokens
+             + self.per_decode_seq_s * shape.num_decode_seqs
+             + self.per_kv_token_read_s * shape.kv_tokens_read
+             + self.per_attention_pair_s * shape.attention_pairs)
+        if self.token_knots:
+            t += self.token_curve_s(shape.num_tokens)
+        return t
 
     def describe(self) -> dict:
-        return {"kind": "linear", "source": self.source,
-                **{name: getattr(self, name) for name in LINEAR_FEATURES}}
+        described = {"kind": "linear", "source": self.source,
+                     **{name: getattr(self, name) for name in LINEAR_FEATURES}}
+        if self.token_knots:
+            described["token_curve"] = {"tokens": list(self.token_knots), "step_s": list(self.token_knot_s)}
+        return described
 
 
 def load_profile(path: Path) -> LinearCostModel | HardwareProfile:
@@ -196,8 +239,14 @@ def load_profile(path: Path) -> LinearCostModel | HardwareProfile:
             raise ValueError(f"profile {str(path)!r} lacks coefficients {missing}")
         engine = tuple(sorted((k, int(v)) for k, v in raw.get("engine", {}).items()
                               if isinstance(v, (int, float)) and not isinstance(v, bool)))
+        curve = raw.get("token_curve") or {}
+        try:
+            knots = tuple(int(n) for n in curve.get("tokens", ()))
+            knot_s = tuple(float(t) for t in curve.get("step_s", ()))
+        except (TypeError, ValueError):
+            raise ValueError(f"profile {str(path)!r}: token_curve needs lists 'tokens' and 'step_s'") from None
         return LinearCostModel(**{n: float(coefficients[n]) for n in LINEAR_FEATURES},
-                               source=str(path), engine=engine)
+                               source=str(path), engine=engine, token_knots=knots, token_knot_s=knot_s)
     if kind == "hardware":
         return HardwareProfile(name=str(raw.get("name", Path(path).stem)),
                                flops_per_s=float(raw["flops_per_s"]),
@@ -221,43 +270,110 @@ def build_cost_model(hardware: LinearCostModel | HardwareProfile, config: ModelC
 
 
 def fit_linear_cost_model(samples: list[tuple[StepShape, float]], source: str = "",
-                          engine: dict | None = None) -> tuple[LinearCostModel, dict]:
-    """Least-squares fit of `LinearCostModel` to (shape, measured seconds)
-    pairs, with every coefficient kept >= 0 (a negative per-token cost would
-    make a bigger batch faster): features whose coefficient comes out
-    negative are dropped and the rest refitted. Returns the model and fit
-    statistics (r2, mean absolute relative error, number of samples)."""
+                          engine: dict | None = None,
+                          token_knots: tuple[int, ...] | None = None) -> tuple[LinearCostModel, dict]:
+    """Fit `LinearCostModel` to (shape, measured seconds) pairs by
+    non-negative least squares on relative error (a negative per-token cost
+    would make a bigger batch faster; relative, because a 60 ms decode step
+    mispredicted by 20 ms matters as much as a 600 ms prefill off by 200).
+
+    With `token_knots` (token counts the profile swept), the fit also
+    measures the curve of step time over tokens per step at those knots, in
+    place of the intercept and the per-prefill-token line: the model stays
+    linear in its unknowns (each knot's time weighs in through linear
+    interpolation), so it is the same least-squares problem with more
+    columns. Returns the model and fit statistics (r2, mean absolute
+    relative error, number of samples)."""
     import numpy as np
 
-    if len(samples) < len(LINEAR_FEATURES):
-        raise ValueError(f"need at least {len(LINEAR_FEATURES)} timed steps to fit, got {len(samples)}")
-    x = np.array([[1.0, s.num_prefill_tokens, s.num_decode_seqs, s.kv_tokens_read, s.attention_pairs]
-                  for s, _ in samples])
-    y = np.array([t for _, t in samples])
-    # Scale columns so lstsq is well conditioned (pairs reach 1e5+, intercept is 1).
-    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
-    active = [i for i in range(x.shape[1]) if np.any(x[:, i])]
-    coef = np.zeros(x.shape[1])
-    while active:
-        solution, *_ = np.linalg.lstsq(x[:, active] / scale[active], y, rcond=None)
-        solution = solution / scale[active]
-        if (solution >= 0).all():
-            coef[active] = solution
-            break
-        active.pop(int(np.argmin(solution)))
+    knots = tuple(sorted(set(token_knots or ())))
+    line_features = LINEAR_FEATURES[2:] if knots else LINEAR_FEATURES
+    num_unknowns = len(knots) + len(line_features)
+    if len(samples) < num_unknowns:
+        raise ValueError(f"need at least {num_unknowns} timed steps to fit, got {len(samples)}")
+    shapes = [s for s, _ in samples]
+    columns = {"intercept_s": [1.0] * len(shapes),
+               "per_prefill_token_s": [s.num_prefill_tokens for s in shapes],
+               "per_decode_seq_s": [s.num_decode_seqs for s in shapes],
+               "per_kv_token_read_s": [s.kv_tokens_read for s in shapes],
+               "per_attention_pair_s": [s.attention_pairs for s in shapes]}
+    x = np.array([columns[name] for name in line_features], dtype=float).T
+    if knots:
+        x = np.hstack([_knot_weights(knots, [s.num_tokens for s in shapes]), x])
+    y = np.array([t for _, t in samples], dtype=float)
+    if (y <= 0).any():
+        raise ValueError("every timed step must take > 0 seconds")
+    # Relative error: each row divided by its own time. Columns scaled to
+    # unit size so the solve is well conditioned (pairs reach 1e5+).
+    rows = x / y[:, None]
+    scale = np.abs(rows).max(axis=0)
+    scale[scale == 0] = 1.0
+    coef = _nnls(rows / scale, np.ones(len(y))) / scale
     predicted = x @ coef
     residual = y - predicted
     r2 = 1.0 - float(residual @ residual) / max(float(((y - y.mean()) ** 2).sum()), 1e-300)
     stats = {"num_samples": len(samples), "r2": r2,
-             "mean_abs_rel_error": float(np.mean(np.abs(residual) / np.maximum(y, 1e-12)))}
-    model = LinearCostModel(*(float(c) for c in coef), source=source,
-                            engine=tuple(sorted((engine or {}).items())))
+             "mean_abs_rel_error": float(np.mean(np.abs(residual) / y))}
+    fitted = dict(zip(line_features, (float(c) for c in coef[len(knots):])))
+    model = LinearCostModel(**{name: fitted.get(name, 0.0) for name in LINEAR_FEATURES}, source=source,
+                            engine=tuple(sorted((engine or {}).items())), token_knots=knots,
+                            token_knot_s=tuple(float(c) for c in coef[:len(knots)]))
     return model, stats
+
+
+def _knot_weights(knots: tuple[int, ...], num_tokens: list[int]):
+    """Row i: the weight of each knot's time in curve(num_tokens[i]), i.e.
+    `LinearCostModel.token_curve_s` written as a linear map of the knot
+    times (past the last knot, the last segment extended)."""
+    import numpy as np
+
+    weights = np.zeros((len(num_tokens), len(knots)))
+    for row, n in enumerate(num_tokens):
+        if n <= knots[0] or len(knots) == 1:
+            weights[row, 0 if n <= knots[0] else -1] = 1.0
+            continue
+        i = min(bisect.bisect_right(knots, n), len(knots) - 1)  # past the end: the last segment
+        share = (n - knots[i - 1]) / (knots[i] - knots[i - 1])
+        weights[row, i - 1] = 1.0 - share
+        weights[row, i] = share
+    return weights
+
+
+def _nnls(a, b):
+    """min ||a x - b|| subject to x >= 0 (Lawson and Hanson's active-set
+    method; numpy only, the problems here have a few dozen columns)."""
+    import numpy as np
+
+    num_rows, num_cols = a.shape
+    x = np.zeros(num_cols)
+    passive = np.zeros(num_cols, dtype=bool)
+    tolerance = 10 * np.finfo(float).eps * max(num_rows, num_cols) * max(1.0, float(np.abs(a).sum(axis=0).max()))
+    for _ in range(3 * num_cols + 10):
+        gradient = a.T @ (b - a @ x)
+        candidates = np.where(passive, -np.inf, gradient)
+        if passive.all() or candidates.max() <= tolerance:
+            break
+        passive[int(np.argmax(candidates))] = True
+        while True:
+            z = np.zeros(num_cols)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            # Step from x toward z until the first passive coefficient hits 0.
+            blocked = passive & (z <= 0)
+            gaps = x[blocked] - z[blocked]  # >= 0; 0 when both sit at 0
+            alpha = float(np.min(np.divide(x[blocked], gaps, out=np.zeros_like(gaps), where=gaps > 0)))
+            x = x + alpha * (z - x)
+            passive &= x > tolerance
+            x[~passive] = 0.0
+    return x
 
 
 def profile_json(model: LinearCostModel, stats: dict, engine: dict, about: dict,
                  samples: list[tuple[StepShape, float]]) -> dict:
     """The document `kvserve profile` writes and `--hardware PATH` reads."""
+    curve = {"tokens": list(model.token_knots), "step_s": list(model.token_knot_s)} if model.token_knots else None
     return {"kind": "linear", "coefficients": {n: getattr(model, n) for n in LINEAR_FEATURES},
-            "fit": stats, "engine": engine, "about": about,
+            "token_curve": curve, "fit": stats, "engine": engine, "about": about,
             "samples": [{**s._asdict(), "step_s": t} for s, t in samples]}

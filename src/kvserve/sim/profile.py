@@ -1,9 +1,14 @@
 """`kvserve profile`: time real engine steps on this machine and fit the
 simulator's linear cost model to them.
 
-For each context length, `batch` requests are prefilled (untimed) and then
-timed while decoding; then a fresh prompt of each prefill size joins the
-batch and that mixed step is timed. Each timed step's shape comes from the
+First a sweep over tokens per step: one fresh prompt of each size, alone,
+timed in its prefill step. That measures the curve of step time over the
+tokens passing through the weights, which on a CPU is far from a line (one
+token is a cheap matrix-vector product; 8 rows can cost more than 24). Then,
+for each context length, `batch` requests are prefilled (untimed) and timed
+while decoding, which separates the cost of the context read from the
+tokens; then a fresh prompt of each prefill size joins the batch and that
+mixed step is timed. Each timed step's shape comes from the
 scheduler's own output, so the fit sees exactly what the simulator will ask
 about. Steps are whole `EngineCore.step()` calls (schedule, forward pass,
 sampling, update, detokenize), the same unit the server's loop runs.
@@ -23,6 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve.sim.cost_model import StepShape, chunk_shape, fit_linear_cost_model, profile_json
+
+
+# Dense where a CPU's small-GEMM kernels change cost sharply, sparse above.
+DEFAULT_SWEEP_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
 def _ints(text: str) -> list[int]:
@@ -47,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (as serve)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512,
                         help="token budget per step (as serve)")
+    parser.add_argument("--tokens", type=_ints, default=_ints(",".join(map(str, DEFAULT_SWEEP_TOKENS))),
+                        help="tokens per step of the sweep (one fresh prompt of each size; sizes above "
+                             "--max-num-batched-tokens are skipped): the knots of the fitted token curve")
     parser.add_argument("--prefill-tokens", type=_ints, default=_ints("0,32,128,384"),
                         help="prompt sizes (tokens) joining the batch in timed mixed steps")
     parser.add_argument("--decode-batch", type=_ints, default=_ints("0,1,4,16"),
@@ -120,10 +132,20 @@ class ProfileGrid:
     repeats: int = 3
     time_budget_s: float = 300.0
     seed: int = 0
+    tokens: tuple[int, ...] = ()  # the sweep; () skips it (no token curve)
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.time_budget_s <= 0:
             raise ValueError("repeats must be >= 1 and the time budget > 0 seconds")
+        if any(n < 1 for n in self.tokens):
+            raise ValueError(f"sweep token counts must be >= 1, got {list(self.tokens)}")
+
+
+def swept_tokens(samples: list[tuple[StepShape, float]], grid: ProfileGrid) -> tuple[int, ...]:
+    """The sweep's token counts that were timed (the budget or the engine's
+    limits may have cut some): the knots of the fitted token curve."""
+    timed = {s.num_tokens for s, _ in samples if s.num_decode_seqs == 0}
+    return tuple(sorted(n for n in set(grid.tokens) if n in timed))
 
 
 def time_engine_steps(core, grid: ProfileGrid) -> list[tuple[StepShape, float]]:
@@ -135,12 +157,26 @@ def time_engine_steps(core, grid: ProfileGrid) -> list[tuple[StepShape, float]]:
     while core.has_unfinished():
         timer.step(timed=False)
     deadline = time.perf_counter() + grid.time_budget_s
+    _measure_token_sweep(core, timer, rng, grid, deadline)
     for context in grid.context:
         if context + 1 >= core.max_model_len:
             raise ValueError(f"context {context} does not fit the model's {core.max_model_len} tokens")
         _measure_context(core, timer, rng, context, grid, deadline)
     del core.scheduler.schedule  # drop the instance wrapper: the class method is back
     return timer.samples
+
+
+def _measure_token_sweep(core, timer: _StepTimer, rng: random.Random, grid: ProfileGrid,
+                         deadline: float) -> None:
+    """One fresh prompt of each sweep size alone in its prefill step. Sizes
+    the engine would split into chunks (over its token budget) or cannot
+    hold are skipped: such a step would not have the size asked for."""
+    limit = min(core.scheduler.config.max_num_batched_tokens, core.max_model_len - 1)
+    for num_tokens in sorted(set(grid.tokens)):
+        if num_tokens > limit or time.perf_counter() > deadline:
+            continue
+        timer.step_median(grid.repeats, lambda n=num_tokens: _add(core, rng, n, 1),
+                          lambda joining: core.abort(joining.request_id))
 
 
 def _measure_context(core, timer: _StepTimer, rng: random.Random, context: int,
@@ -174,13 +210,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvserve profile: error: {exc}", file=sys.stderr)
         return 2
     Path(args.out).write_text(json.dumps(document, indent=1))
-    c, fit = document["coefficients"], document["fit"]
-    print(f"fitted {fit['num_samples']} steps: r2={fit['r2']:.3f}, mean |error| "
-          f"{fit['mean_abs_rel_error']:.1%}\n  step_s = {c['intercept_s'] * 1e3:.2f} ms"
-          f" + {c['per_prefill_token_s'] * 1e6:.1f} us/prefill token"
-          f" + {c['per_decode_seq_s'] * 1e6:.1f} us/decode seq"
-          f" + {c['per_kv_token_read_s'] * 1e9:.1f} ns/KV token read"
-          f" + {c['per_attention_pair_s'] * 1e9:.3f} ns/attention pair\nwrote {args.out}")
+    c, fit, curve = document["coefficients"], document["fit"], document["token_curve"]
+    print(f"fitted {fit['num_samples']} steps: r2={fit['r2']:.3f}, mean |error| {fit['mean_abs_rel_error']:.1%}")
+    if curve:
+        print("  step_s = curve(tokens per step)"
+              f" + {c['per_decode_seq_s'] * 1e6:.1f} us/decode seq"
+              f" + {c['per_kv_token_read_s'] * 1e9:.1f} ns/KV token read"
+              f" + {c['per_attention_pair_s'] * 1e9:.3f} ns/attention pair\n  curve: "
+              + ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in zip(curve["tokens"], curve["step_s"])))
+    else:
+        print(f"  step_s = {c['intercept_s'] * 1e3:.2f} ms"
+              f" + {c['per_prefill_token_s'] * 1e6:.1f} us/prefill token"
+              f" + {c['per_decode_seq_s'] * 1e6:.1f} us/decode seq"
+              f" + {c['per_kv_token_read_s'] * 1e9:.1f} ns/KV token read"
+              f" + {c['per_attention_pair_s'] * 1e9:.3f} ns/attention pair")
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -189,7 +233,7 @@ def profile(args: argparse.Namespace) -> dict:
     from kvserve.model.loader import load_model
 
     grid = ProfileGrid(tuple(args.prefill_tokens), tuple(args.decode_batch), tuple(args.context),
-                       args.repeats, args.time_budget, args.seed)
+                       args.repeats, args.time_budget, args.seed, tuple(args.tokens))
     loaded = load_model(args.model)
     config = EngineConfig.from_sizes(args.kv_cache_memory, dtype=args.dtype, block_size=args.block_size,
                                      max_num_seqs=args.max_num_seqs, device=args.device,
@@ -202,7 +246,8 @@ def profile(args: argparse.Namespace) -> dict:
               "kv_bytes_per_block": kv_bytes_per_block(loaded.config, args.block_size, core.runner.dtype),
               "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens}
-    model, stats = fit_linear_cost_model(samples, source="kvserve profile", engine=engine)
+    model, stats = fit_linear_cost_model(samples, source="kvserve profile", engine=engine,
+                                         token_knots=swept_tokens(samples, grid))
     about = {"model": loaded.source, "dtype": args.dtype, "device": str(core.runner.device),
              "measured_at_unix_s": time.time()}
     return profile_json(model, stats, engine, about, samples)

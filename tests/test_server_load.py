@@ -284,3 +284,33 @@ def test_tokens_that_pile_up_go_out_as_one_event_with_one_logprob_each():
         offsets = [o for c in chunks for o in c["logprobs"]["text_offset"]]
         assert offsets == reference["choices"][0]["logprobs"]["text_offset"]
         assert chunks[-1]["finish_reason"] == "length"
+
+
+def test_start_loads_the_streaming_backend_before_ready():
+    # Starlette streams every response inside an anyio task group, and anyio
+    # imports its asyncio backend on the first one (~100 ms of the first
+    # request's TTFT after each start). A fresh interpreter shows whether the
+    # warmed server has loaded it before /ready.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import asyncio, sys
+from kvserve.config import AdmissionConfig, ServerConfig
+from kvserve.server.serving import Serving
+from tests.server_helpers import MODEL_NAME, tiny_core
+
+async def main():
+    serving = Serving(tiny_core(num_blocks=64), AdmissionConfig(), ServerConfig(served_model_name=MODEL_NAME))
+    loaded_before = "anyio._backends._asyncio" in sys.modules
+    await serving.start()
+    print(loaded_before, "anyio._backends._asyncio" in sys.modules, serving.ready)
+    await serving.stop()
+
+asyncio.run(main())
+"""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True", "True"]

@@ -125,6 +125,7 @@ class Serving:
     async def start(self) -> None:
         if self.config.warm_up:
             await self._warm_up()
+            await _load_streaming_backend()
         self.engine.start()
         self._watchdog = asyncio.create_task(self._watch())
         self.started = True
@@ -566,3 +567,14 @@ def _rejection(decision) -> APIError:
     else:
         type_ = "rate_limited" if decision.reason in RATE_LIMITED_REASONS else "overloaded"
     return APIError(decision.status, decision.message, type_, decision.reason, None, headers)
+
+
+async def _load_streaming_backend() -> None:
+    """Starlette runs every streaming response in an anyio task group, and
+    anyio imports its asyncio backend on the first one: ~100 ms (measured
+    with py-spy on this CPU) added to the first streamed request's TTFT
+    after every start. Open one task group now, before /ready."""
+    import anyio
+
+    async with anyio.create_task_group():
+        pass

@@ -1,12 +1,13 @@
 """Validate `kvserve simulate` against the real server on this machine.
 
-1. `kvserve serve` starts on loopback (engine and admission settings below);
-2. for each rate: `kvserve profile` times real engine steps with the same
+1. for each rate, `kvserve serve` starts fresh on loopback (engine and
+   admission settings below: an empty prefix cache, as the simulation's);
+2. `kvserve profile` times real engine steps with the same
    engine settings just before and just after `kvserve bench` runs a
    workload against the server, and one cost model is fitted to both sets of
    steps; `kvserve simulate --hardware profile.json` then runs the same
    workload (same seed: identical request lengths and arrival times);
-4. prints the relative error of p50 / p99 TTFT and TPOT and of goodput
+3. prints the relative error of p50 / p99 TTFT and TPOT and of goodput
    (target: 15% at p50, 25% at p99, for rates below saturation) and writes
    OUT/validation.json.
 
@@ -18,6 +19,7 @@ Bounded: the profile has a time budget and each rate sends --num-requests.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -64,6 +66,20 @@ def bracket(before: str, after: str, path: Path) -> str:
                                          token_knots=tuple(knots))
     path.write_text(json.dumps(profile_json(model, stats, docs[0]["engine"], docs[0]["about"], samples)))
     return str(path)
+
+
+@contextlib.contextmanager
+def serving(flags: list[str]):
+    """`kvserve serve` on a free loopback port until the block ends; yields its URL."""
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(kvserve("serve", "--port", str(port), *flags, "--log-level", "warning"), env=ENV)
+    try:
+        wait_ready(base_url, server, timeout_s=180.0)
+        yield base_url
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
 
 
 def relative_error(sim: float | None, real: float | None) -> float | None:
@@ -116,32 +132,27 @@ def main() -> int:
                        check=True, env=ENV)
         return str(path)
 
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(kvserve("serve", "--port", str(port), *engine, *admission,
-                                      "--log-level", "warning"), env=ENV)
     results, fits = {}, {}
-    try:
-        wait_ready(base_url, server, timeout_s=180.0)
-        for rate in [float(r) for r in args.rates.split(",")]:
-            before = profile_now(out / f"profile_{rate:g}_before.json")
-            load = ["--workload", args.workload, "--rate", str(rate), "--num-requests",
-                    str(args.num_requests), "--seed", str(args.seed), "--slo", args.slo]
+    for rate in [float(r) for r in args.rates.split(",")]:
+        before = profile_now(out / f"profile_{rate:g}_before.json")
+        load = ["--workload", args.workload, "--rate", str(rate), "--num-requests",
+                str(args.num_requests), "--seed", str(args.seed), "--slo", args.slo]
+        # A fresh server per rate, as the simulation starts fresh: every rate
+        # sends the same prompts (same seed), and a server kept from the last
+        # rate would serve most of them from its prefix cache.
+        with serving(engine + admission) as base_url:
             subprocess.run(kvserve("bench", "--base-url", base_url, *load, "--tokenizer", gguf,
                                    "--no-progress", "--out", str(out / f"bench_{rate:g}")), check=True, env=ENV)
-            after = profile_now(out / f"profile_{rate:g}_after.json")
-            profile = bracket(before, after, out / f"profile_{rate:g}.json")
-            rc = kvserve_main(["simulate", "--model", gguf, "--hardware", profile, *load, *engine,
-                               *admission, "--out", str(out / f"sim_{rate:g}")])
-            if rc != 0:
-                raise SystemExit(f"simulate failed with {rc}")
-            real = json.loads((out / f"bench_{rate:g}" / "report.json").read_text())
-            sim = json.loads((out / f"sim_{rate:g}" / "report.json").read_text())
-            results[f"{rate:g}"] = compare(real, sim)
-            fits[f"{rate:g}"] = json.loads(Path(profile).read_text())["fit"]
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+        after = profile_now(out / f"profile_{rate:g}_after.json")
+        profile = bracket(before, after, out / f"profile_{rate:g}.json")
+        rc = kvserve_main(["simulate", "--model", gguf, "--hardware", profile, *load, *engine,
+                           *admission, "--out", str(out / f"sim_{rate:g}")])
+        if rc != 0:
+            raise SystemExit(f"simulate failed with {rc}")
+        real = json.loads((out / f"bench_{rate:g}" / "report.json").read_text())
+        sim = json.loads((out / f"sim_{rate:g}" / "report.json").read_text())
+        results[f"{rate:g}"] = compare(real, sim)
+        fits[f"{rate:g}"] = json.loads(Path(profile).read_text())["fit"]
     document = {"rates": results, "profile_fits": fits,
                 "wall_s": time.monotonic() - started, "args": vars(args)}
     (out / "validation.json").write_text(json.dumps(document, indent=1))

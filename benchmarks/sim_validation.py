@@ -5,7 +5,9 @@
 2. `kvserve profile` times real engine steps with the same
    engine settings just before and just after `kvserve bench` runs a
    workload against the server, and one cost model is fitted to both sets of
-   steps; `kvserve simulate --hardware profile.json` then runs the same
+   steps; a few probe requests measure the time a client sees beyond the
+   server's own TTFT (HTTP, streaming: `--frontend-latency-ms`);
+   `kvserve simulate --hardware profile.json` then runs the same
    workload (same seed: identical request lengths and arrival times);
 3. prints the relative error of p50 / p99 TTFT and TPOT and of goodput
    (target: 15% at p50, 25% at p99, for rates below saturation) and writes
@@ -82,6 +84,47 @@ def serving(flags: list[str]):
         server.wait(timeout=60)
 
 
+def frontend_latency_s(base_url: str, num_probes: int = 8) -> float:
+    """What a client's TTFT holds beyond the server's own (HTTP, request
+    parsing, streaming out, the client's reading): the mean streamed TTFT
+    of a few sequential probe requests minus the server's TTFT histogram
+    mean over the same requests. Measured on the fresh server before the
+    bench run, so it is not fitted to the run it predicts. (The probes'
+    prompts are unlike the workload's: no prefix-cache hits for it.)"""
+    import urllib.request
+
+    def server_ttft() -> tuple[float, float]:
+        text = urllib.request.urlopen(base_url + "/metrics", timeout=10).read().decode()
+        total = count = 0.0
+        for line in text.splitlines():
+            if line.startswith("vllm:time_to_first_token_seconds_sum"):
+                total += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:time_to_first_token_seconds_count"):
+                count += float(line.rsplit(" ", 1)[1])
+        return total, count
+
+    with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as resp:
+        model = json.loads(resp.read())["data"][0]["id"]
+    total0, count0 = server_ttft()
+    client = []
+    for i in range(num_probes):
+        body = json.dumps({"model": model, "prompt": f"Probe {i}: the weather on the coast today is",
+                           "max_tokens": 2, "stream": True}).encode()
+        request = urllib.request.Request(base_url + "/v1/completions", body, {"Content-Type": "application/json"})
+        start = time.perf_counter()
+        first = None
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            for line in resp:
+                if first is None and line.startswith(b"data: {"):
+                    first = time.perf_counter() - start
+        client.append(first)
+        time.sleep(0.2)
+    total1, count1 = server_ttft()
+    if count1 - count0 != num_probes or None in client:
+        raise RuntimeError("frontend probe: the server did not report every probe's TTFT")
+    return max(0.0, sum(client) / num_probes - (total1 - total0) / num_probes)
+
+
 def relative_error(sim: float | None, real: float | None) -> float | None:
     if sim is None or real is None or real == 0:
         return None
@@ -141,18 +184,20 @@ def main() -> int:
         # sends the same prompts (same seed), and a server kept from the last
         # rate would serve most of them from its prefix cache.
         with serving(engine + admission) as base_url:
+            frontend_s = frontend_latency_s(base_url)
             subprocess.run(kvserve("bench", "--base-url", base_url, *load, "--tokenizer", gguf,
                                    "--no-progress", "--out", str(out / f"bench_{rate:g}")), check=True, env=ENV)
         after = profile_now(out / f"profile_{rate:g}_after.json")
         profile = bracket(before, after, out / f"profile_{rate:g}.json")
         rc = kvserve_main(["simulate", "--model", gguf, "--hardware", profile, *load, *engine,
-                           *admission, "--out", str(out / f"sim_{rate:g}")])
+                           *admission, "--frontend-latency-ms", f"{frontend_s * 1e3:.3f}",
+                           "--out", str(out / f"sim_{rate:g}")])
         if rc != 0:
             raise SystemExit(f"simulate failed with {rc}")
         real = json.loads((out / f"bench_{rate:g}" / "report.json").read_text())
         sim = json.loads((out / f"sim_{rate:g}" / "report.json").read_text())
         results[f"{rate:g}"] = compare(real, sim)
-        fits[f"{rate:g}"] = json.loads(Path(profile).read_text())["fit"]
+        fits[f"{rate:g}"] = {**json.loads(Path(profile).read_text())["fit"], "frontend_latency_s": frontend_s}
     document = {"rates": results, "profile_fits": fits,
                 "wall_s": time.monotonic() - started, "args": vars(args)}
     (out / "validation.json").write_text(json.dumps(document, indent=1))

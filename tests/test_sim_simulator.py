@@ -4,6 +4,7 @@ without admission, routing, scale-out with and without a warm pool, and the
 
 import json
 
+import pytest
 
 from kvserve.bench.arrivals import arrival_offsets, parse_arrival
 from kvserve.bench.report import SLO, build_report
@@ -147,3 +148,37 @@ def test_simulator_and_planner_import_no_torch():
             "kvserve.sim.cli.add_arguments(argparse.ArgumentParser())\n"
             "assert 'torch' not in sys.modules, 'the simulator imported torch'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_frontend_latency_adds_to_ttft_and_e2e_not_tpot():
+    # The same run seen by the client 15 ms later: every request's TTFT and
+    # E2E grow by exactly that, token gaps do not change, and the engine's
+    # schedule is the same one shifted in time.
+    workload = fixed_mix(64, 8)
+    base, _ = simulate(replica_config(AdmissionConfig()), workload, rate=5, seconds=6)
+    later, _ = simulate(replica_config(AdmissionConfig(), frontend_latency_s=0.015), workload, rate=5, seconds=6)
+    assert len(base.records) == len(later.records) == 30
+    for a, b in zip(base.records, later.records):
+        assert b.sent_s == pytest.approx(a.sent_s, abs=1e-9)
+        assert b.token_events[0][0] - b.sent_s == pytest.approx(a.token_events[0][0] - a.sent_s + 0.015, abs=1e-9)
+        assert b.end_s - b.sent_s == pytest.approx(a.end_s - a.sent_s + 0.015, abs=1e-9)
+        assert _gaps(b) == pytest.approx(_gaps(a), abs=1e-9)
+    assert later.num_steps == base.num_steps
+
+
+def _gaps(record) -> list[float]:
+    times = [t for t, _ in record.token_events]
+    return [later - earlier for earlier, later in zip(times, times[1:])]
+
+
+def test_simulate_cli_takes_a_frontend_latency(tmp_path, capsys):
+    out = tmp_path / "sim"
+    args = ["simulate", "--preset", "smollm2-135m", "--hardware", "l4", "--workload", "short",
+            "--num-requests", "10", "--rate", "5", "--seed", "3"]
+    assert main([*args, "--out", str(out / "a")]) == 0
+    assert main([*args, "--frontend-latency-ms", "20", "--out", str(out / "b")]) == 0
+    a = json.loads((out / "a" / "report.json").read_text())["summary"]
+    b = json.loads((out / "b" / "report.json").read_text())["summary"]
+    assert b["ttft"]["p50"] == pytest.approx(a["ttft"]["p50"] + 0.020, abs=1e-9)
+    assert b["tpot"]["p50"] == pytest.approx(a["tpot"]["p50"], abs=1e-12)
+    assert main([*args, "--frontend-latency-ms", "-1", "--out", str(out / "c")]) != 0

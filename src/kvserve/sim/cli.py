@@ -80,6 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="roofline: achieved fraction of peak memory bandwidth (0..1)")
     sim.add_argument("--step-overhead-ms", type=float, default=2.0,
                      help="roofline: fixed time per engine step (launches, scheduling), milliseconds")
+    sim.add_argument("--frontend-latency-ms", type=float, default=0.0,
+                     help="time a client sees beyond the engine per request (HTTP, parsing, streaming), "
+                          "added to TTFT and E2E; kvserve bench's TTFT minus the server's "
+                          "vllm:time_to_first_token_seconds measures it")
     sim.add_argument("--replicas", type=int, default=1, help="replicas behind the router at start")
     sim.add_argument("--router", choices=ROUTERS, default="least-queue",
                      help="how requests are spread across replicas")
@@ -174,7 +178,8 @@ def sim_config(args: argparse.Namespace, spec: ModelSpec, num_blocks: int) -> Si
                                   max_num_seqs=args.max_num_seqs, max_model_len=max_model_len),
         cache=CacheConfig(num_blocks=num_blocks, block_size=args.block_size,
                           enable_prefix_caching=not args.no_prefix_caching),
-        admission=admission, num_replicas=args.replicas, router=args.router, autoscale=autoscale)
+        admission=admission, num_replicas=args.replicas, router=args.router, autoscale=autoscale,
+        frontend_latency_s=args.frontend_latency_ms / 1000.0)
 
 
 def _admission_config(args: argparse.Namespace) -> AdmissionConfig:

@@ -113,6 +113,11 @@ class SimConfig:
     schedule / update pairs of the single steps it stands for.
     fast_forward: run steady decode batches as multi-step `DecodeRun`s
     (same results; False for checking that).
+    frontend_latency_s: what a client sees beyond the engine (HTTP,
+    request parsing, streaming out): a request reaches the engine this long
+    after its client sent it, and its record counts from the send, as
+    `kvserve bench` measures. `kvserve bench`'s TTFT minus the server's
+    own (vllm:time_to_first_token_seconds) measures it.
     """
 
     scheduler: SchedulerConfig
@@ -125,8 +130,11 @@ class SimConfig:
     record_trace: bool = False
     cache_namespace: str = "sim"
     fast_forward: bool = True
+    frontend_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if not self.frontend_latency_s >= 0:
+            raise ValueError(f"frontend_latency_s must be >= 0, got {self.frontend_latency_s}")
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
         Router(self.router)  # validates the name
@@ -281,6 +289,8 @@ class Simulator:
             raise ValueError("arrival offsets must be non-decreasing")
         if self.config.autoscale is not None and specs:
             self._push(self.config.autoscale.interval_s, _AUTOSCALE, None)
+        if self.config.frontend_latency_s:  # the engine sees each request that much later
+            offsets_s = [t + self.config.frontend_latency_s for t in offsets_s]
         next_arrival = 0
         while next_arrival < len(specs) or self._events:
             arrival_s = offsets_s[next_arrival] if next_arrival < len(specs) else math.inf
@@ -382,12 +392,13 @@ class Simulator:
 
     def _reject(self, spec: RequestSpec, status: int, reason: str | None, message: str) -> None:
         now = self.clock.now_s
+        sent = now - self.config.frontend_latency_s
         self._rejections_since_check += 1
         self._records.append(RequestRecord(
-            index=spec.index, outcome="rejected", scheduled_s=now, sent_s=now, end_s=now,
+            index=spec.index, outcome="rejected", scheduled_s=sent, sent_s=sent, end_s=now,
             status_code=status, reject_reason=reason, tenant=spec.tenant, priority=spec.priority,
             prompt_tokens=spec.prompt_tokens, expected_output_tokens=spec.output_tokens,
-            last_sent_s=now, error=message or None))
+            last_sent_s=sent, error=message or None))
 
     # -- steps -------------------------------------------------------------
     def _start_step(self, replica: Replica) -> None:
@@ -589,13 +600,14 @@ class Simulator:
             replica.started_ids.discard(rid)
         stamps = request.timestamps
         queue_s = None if stamps.scheduled is None else stamps.scheduled - stamps.arrival
+        sent = stamps.arrival - self.config.frontend_latency_s
         self._records.append(RequestRecord(
-            index=spec.index, outcome=outcome, scheduled_s=stamps.arrival, sent_s=stamps.arrival,
+            index=spec.index, outcome=outcome, scheduled_s=sent, sent_s=sent,
             headers_s=stamps.arrival, token_events=self._token_events(stamps.token_times),
             end_s=replica.clock.now_s, status_code=status, reject_reason=reason, tenant=spec.tenant,
             priority=spec.priority, prompt_tokens=spec.prompt_tokens,
             output_tokens=request.num_output_tokens, expected_output_tokens=spec.output_tokens,
-            last_sent_s=stamps.arrival, queue_s=queue_s))
+            last_sent_s=sent, queue_s=queue_s))
 
     def _token_events(self, token_times: list[float]) -> tuple[tuple[float, int], ...]:
         if self.config.exact_token_events or len(token_times) < 3:

@@ -376,3 +376,40 @@ def test_refusal_for_any_size_never_refuses_what_check_would_admit():
     admit(ctl, req(tenant="a", max_tokens=1))
     quota = ctl.refusal_for_any_size(tenant="a")
     assert (quota.status, quota.reason) == (429, "tenant_quota")
+
+
+def test_a_batch_of_observed_steps_is_each_step_observed_in_order():
+    # A simulator's decode run feeds its steps at once (observe_steps): the
+    # fit and the limits are those of feeding them one by one, empty steps
+    # and negative times skipped as observe_step skips them.
+    rng = random.Random(5)
+    steps = [(rng.randint(0, 40), rng.choice([0, 0, rng.randint(1, 300)]), rng.uniform(-0.001, 0.05))
+             for _ in range(300)]
+    steps += [(0, 0, 0.02), (3, 0, -1.0), (5, 0, float("nan"))]
+    one_by_one, _ = make(max_num_seqs=64, tpot_slo_s=0.1)
+    batched, _ = make(max_num_seqs=64, tpot_slo_s=0.1)
+    for i in range(0, len(steps), 37):
+        for s in steps[i:i + 37]:
+            one_by_one.observe_step(*s)
+        batched.observe_steps(iter(steps[i:i + 37]))
+        assert batched.step_model.fit() == one_by_one.step_model.fit()
+        assert batched.step_limits(7) == one_by_one.step_limits(7)
+    assert batched.step_model.mean_step_s == one_by_one.step_model.mean_step_s
+
+
+def test_queued_and_started_counts_follow_starts_and_finishes():
+    ctl, clock = make(num_blocks=1000, queue_timeout_s=5.0)
+    requests = [req() for _ in range(6)]
+    for r in requests:
+        admit(ctl, r)
+    for r in requests[1:4]:
+        ctl.on_start(r.request_id)
+    ctl.on_start(requests[1].request_id)  # a second start changes nothing
+    ctl.on_finish(requests[2].request_id)  # started, then finished
+    ctl.on_finish(requests[5].request_id)  # finished (aborted) before starting
+    assert (ctl.num_queued, ctl.num_started, ctl.num_inflight()) == (2, 2, 4)
+    clock.now += 6.0
+    assert ctl.expired() == [(requests[0].request_id, "queue_timeout"), (requests[4].request_id, "queue_timeout")]
+    # Work ahead counts the started requests' blocks: a big request now
+    # waits for them to drain, as before any finish.
+    assert ctl.expected_wait_s(req(prompt=16 * 995, max_tokens=16))[0] > ctl.expected_wait_s(req())[0]

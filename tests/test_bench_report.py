@@ -146,3 +146,20 @@ def test_files_written(report, tmp_path):
     html = paths["html"].read_text()
     assert html.count("<svg") >= 4 and "TTFT CDF" in html and "</html>" in html
     assert "ttft" in format_table(report)
+
+
+def test_a_class_holding_every_request_gets_the_runs_summary_without_cost():
+    # One tenant and one priority (the usual run): each class's summary is
+    # the run's, computed once, with the cost fields left out as for any class.
+    records = [r for r in _records() if r.tenant == "a"]
+    one_class = build_report(records, SLO(2.0, 0.1), duration_s=10.0, price_per_hour=36.0)
+    unpriced = build_report(records, SLO(2.0, 0.1), duration_s=10.0)
+    assert set(one_class["by_tenant"]) == {"a"} and set(one_class["by_priority"]) == {"0"}
+    assert one_class["summary"]["cost_total"] == pytest.approx(0.1)
+    for block in (one_class["by_tenant"]["a"], one_class["by_priority"]["0"]):
+        assert block["cost_total"] is None
+        assert json.dumps(block, sort_keys=True) == json.dumps(
+            {**unpriced["summary"], "queue_time": {k: v for k, v in unpriced["summary"]["queue_time"].items()
+                                                  if k != "source"}}, sort_keys=True)
+    # The classes' blocks are copies: the run's queue-time source is the run's alone.
+    assert "source" in one_class["summary"]["queue_time"] and "source" not in one_class["by_tenant"]["a"]["queue_time"]

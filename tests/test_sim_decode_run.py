@@ -171,3 +171,73 @@ def test_apply_steps_leaves_what_single_steps_leave(seed, split):
     assert _finished(run.requests) == _finished(batch)
     assert [(i, r.request_id) for i, r in finished] == single_finished
     assert finished, "some requests must finish inside the applied steps"
+
+
+def _arrival(seed):
+    """A request that arrives while the batch decodes (latest arrival, so it
+    runs last among equals once started); some prompts outgrow the budget
+    the decodes leave (64 tokens a step) and are chunked."""
+    return make_request("new", num_prompt=random.Random(seed).randint(1, 70), max_tokens=20,
+                        arrival=1.0, first_token=900, ignore_eos=True)
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("steps_before", [0, 1, 6])
+def test_a_run_step_that_starts_waiting_requests_is_the_ordinary_step(seed, steps_before):
+    # A request arrives during step `steps_before - 1` of a run; the next
+    # step starts its prompt beside the run's decodes. Run as one more step
+    # of the run (decodes applied by the run, the started chunk by update())
+    # it leaves what single steps leave, with the same batch.
+    single, single_clock = _steady_batch(seed)
+    multi, multi_clock = _steady_batch(seed)
+    run = multi.plan_decode_run(40, NON_EOS)
+    assert run is not None and run.num_steps > steps_before
+    for i in range(steps_before):
+        run.schedule_step(i)
+        multi_clock.now += 0.01
+        run.update_step(i, multi_clock.now)
+        step(single, single_clock, NON_EOS)
+    single.add_request(_arrival(seed))
+    multi.add_request(_arrival(seed))
+    expected = single.schedule()
+    started = run.schedule_step_with_waiting(steps_before)
+    assert started is not None and [c.request.request_id for c in started.chunks] == ["new"]
+    decodes = [(r.request_id, start, 1, True) for r, start in run.batch_at(steps_before)]
+    assert decodes + [(c.request.request_id, c.start, c.num_new_tokens, c.samples) for c in started.chunks] == \
+        [(c.request.request_id, c.start, c.num_new_tokens, c.samples) for c in expected.chunks]
+    single_clock.now += 0.01
+    single.update(expected, {c.request.request_id: NON_EOS for c in expected.chunks if c.samples})
+    multi_clock.now += 0.01
+    run.update_step(steps_before, multi_clock.now)
+    multi.update(started, {c.request.request_id: NON_EOS for c in started.chunks if c.samples})
+    run.close()
+    assert _state(multi) == _state(single)
+
+
+def test_a_run_step_cannot_start_waiting_requests_when_the_budget_misses_a_decode():
+    multi, _ = _steady_batch(3)
+    run = multi.plan_decode_run(40, NON_EOS)
+    multi.add_request(_arrival(3))
+    before = _state(multi)
+    multi.set_step_limits(16, len(multi.running) - 1)  # schedule() would leave a decode out
+    assert run.schedule_step_with_waiting(0) is None
+    assert run.schedule_step_with_waiting(run.num_steps) is None  # past the run
+    assert _state(multi) == before
+
+
+def test_a_run_step_starts_nobody_when_the_running_cap_is_reached():
+    single, single_clock = _steady_batch(4)
+    multi, multi_clock = _steady_batch(4)
+    run = multi.plan_decode_run(40, NON_EOS)
+    for sched in (single, multi):
+        sched.add_request(_arrival(4))
+        sched.set_step_limits(len(sched.running), None)
+    started = run.schedule_step_with_waiting(0)
+    assert started is not None and not started.chunks
+    expected = step(single, single_clock, NON_EOS)
+    assert all(c.request.request_id != "new" for c in expected.chunks)
+    multi_clock.now += 0.01
+    run.update_step(0, multi_clock.now)
+    run.close()
+    assert _state(multi) == _state(single)
+    assert [r.request_id for r in multi.waiting] == ["new"]

@@ -6,7 +6,7 @@ import pytest
 
 from kvserve.bench.workload import LengthClass, LengthDist, WorkloadSpec, generate_requests
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
-from kvserve.scheduler.scheduler import Scheduler
+from kvserve.scheduler.scheduler import DecodeRun, Scheduler
 from kvserve.sim.cost_model import LinearCostModel
 from kvserve.sim.simulator import AutoscaleConfig, SimConfig, Simulator
 
@@ -36,10 +36,32 @@ def decode_runs(monkeypatch):
     return planned
 
 
+@pytest.fixture(autouse=True)
+def joined_steps(monkeypatch):
+    """Counts the run steps that also started waiting requests (the step
+    after an arrival), so a test can prove it used them."""
+    joined = []
+    schedule = DecodeRun.schedule_step_with_waiting
+
+    def counting(self, step):
+        out = schedule(self, step)
+        if out is not None:
+            joined.append(len(out.chunks))
+        return out
+    monkeypatch.setattr(DecodeRun, "schedule_step_with_waiting", counting)
+    return joined
+
+
 def _simulate(config, specs, offsets, fast_forward, record_trace=True):
     config = SimConfig(**{**config.__dict__, "fast_forward": fast_forward, "record_trace": record_trace})
     sim = Simulator(config, COST)
-    return sim.run(specs, offsets)
+    result = sim.run(specs, offsets)
+    # What each replica's admission controller measured from the steps
+    # (an untraced run feeds a run's steps at once).
+    result.step_models = [None if r.admission is None else
+                          (r.admission.step_model.fit(), r.admission.step_model.mean_step_s,
+                           r.admission.step_model.mean_decode_seqs) for r in sim.replicas]
+    return result
 
 
 def _admission_calls(result):
@@ -68,6 +90,7 @@ def _compare(config, specs, offsets, decode_runs):
     # router's load read applies none): the very same results.
     untraced = _simulate(config, specs, offsets, True, record_trace=False)
     assert untraced.records == slow.records and untraced.replicas == slow.replicas
+    assert untraced.step_models == slow.step_models == fast.step_models
     assert untraced.num_steps == slow.num_steps and untraced.duration_s == slow.duration_s
     assert untraced.replica_timeline == slow.replica_timeline
     return fast, slow
@@ -105,7 +128,7 @@ def test_fast_forward_is_exact_with_admission_refusals_and_timeouts(decode_runs)
         sum(1 for e in slow.traces[0] if e[0] == "admission" and e[2] == "step_limits"), "runs must happen"
 
 
-def test_fast_forward_is_exact_across_replicas_with_cancels_and_autoscale(decode_runs):
+def test_fast_forward_is_exact_across_replicas_with_cancels_and_autoscale(decode_runs, joined_steps):
     specs = _workload(400, seed=3, cancel=0.2)
     offsets = [i * 0.01 for i in range(len(specs))]
     autoscale = AutoscaleConfig(max_replicas=4, interval_s=0.5, cold_start_s=1.0)
@@ -113,11 +136,14 @@ def test_fast_forward_is_exact_across_replicas_with_cancels_and_autoscale(decode
                                   autoscale=autoscale), specs, offsets, decode_runs)
     assert {"cancelled", "success"} <= {r.outcome for r in slow.records}
     assert len(slow.replica_timeline) > 1
+    assert sum(n > 0 for n in joined_steps) >= 3, "arrivals must start beside a run's decodes"
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_fast_forward_is_exact_for_light_steady_traffic(seed, decode_runs):
-    # Light load: long decode runs, ended early by arrivals.
+def test_fast_forward_is_exact_for_light_steady_traffic(seed, decode_runs, joined_steps):
+    # Light load: long decode runs, ended early by arrivals, each arrival's
+    # prompt started beside the run's decodes in one more step of the run.
     specs = _workload(80, seed=10 + seed)
     offsets = [i * 0.15 for i in range(len(specs))]
     _compare(_config(AdmissionConfig(), num_replicas=3, router="round-robin"), specs, offsets, decode_runs)
+    assert sum(n > 0 for n in joined_steps) >= 3

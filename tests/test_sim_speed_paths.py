@@ -60,3 +60,41 @@ def test_summarize_gives_the_plain_definitions_numbers_exactly(seed):
         assert got == _plain_summary(values)
         assert all(type(got[k]) is float for k in got if k != "count")
     assert summarize([None])["mean"] is None
+
+
+def test_hash_block_is_blake2b_of_the_parent_and_32_bit_token_ids():
+    # The definition the prefix cache relies on (kv_cache/hashing.py), with
+    # hashlib itself: the copied-hasher shortcut changes no hash.
+    import hashlib
+    from array import array
+
+    from kvserve.kv_cache.hashing import encoded_repeat, hash_encoded_block
+
+    parent, tokens = namespace_root("ns"), [3, 2**31 + 5, 0, 7]
+    expected = hashlib.blake2b(parent + array("I", tokens).tobytes(), digest_size=16).digest()
+    assert hash_block(parent, tokens) == expected
+    assert hash_encoded_block(parent, encoded_repeat(9, 4)) == hash_block(parent, [9] * 4)
+
+
+@pytest.mark.parametrize("num_prompt", [3, 4, 5, 9])
+def test_blocks_registered_ahead_of_the_tokens_get_the_hashes_the_tokens_will_have(num_prompt):
+    # A decode run registers a completed block before it appends the run's
+    # tokens to the request: the positions past the request's tokens hold
+    # the pending token. The hashes (and the blocks registered) equal those
+    # of registering after the tokens are appended.
+    ahead = KVCacheManager(CacheConfig(num_blocks=32, block_size=4))
+    after = KVCacheManager(CacheConfig(num_blocks=32, block_size=4))
+    prompt = list(range(100, 100 + num_prompt))
+    requests = [Request(rid, list(prompt), SamplingParams(max_tokens=20), 0.0, cache_namespace="ns")
+                for rid in ("a", "b")]
+    for kv, request in zip((ahead, after), requests):
+        kv.allocate_slots(request, num_prompt + 11)
+        request.num_computed_tokens = num_prompt - 1  # the prompt's last token computes in the first decode step
+    ahead.cache_computed_blocks(requests[0], num_prompt + 10, pending_token_id=7)
+    requests[1].output_token_ids += [7] * 11
+    requests[1].num_computed_tokens = num_prompt + 10
+    after.cache_computed_blocks(requests[1])
+    full = (num_prompt + 10) // 4
+    assert requests[0].block_hashes[:full] == requests[1].block_hashes[:full] == \
+        hash_prefix_blocks(prompt + [7] * 11, 4, "ns")[:full]
+    assert [ahead.pool.lookup(h).block_id for h in requests[0].block_hashes[:full]] == ahead.block_ids("a")[:full]

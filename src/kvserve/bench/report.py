@@ -21,6 +21,7 @@ Definitions used here:
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 from collections import Counter
@@ -148,6 +149,15 @@ def summarize_records(records: Sequence[RequestRecord], duration_s: float,
                       latencies: Sequence | None = None) -> dict:
     """The summary block for a set of records (a whole run or one class).
     latencies: each record's `_latency`, when the caller has them already."""
+    summary, cost_inputs = _summary_without_cost(records, duration_s, slo, latencies)
+    summary.update(_cost(price_per_hour, *cost_inputs))
+    return summary
+
+
+def _summary_without_cost(records: Sequence[RequestRecord], duration_s: float, slo: SLO | None,
+                          latencies: Sequence | None) -> tuple[dict, tuple]:
+    """summarize_records but the cost fields, and what `_cost` needs besides
+    the price: (duration_s, successes, good requests, output tokens)."""
     latencies = [_latency(r) for r in records] if latencies is None else latencies
     ok = [(r, lat) for r, lat in zip(records, latencies) if r.outcome == "success" and lat]
     counts = Counter(r.outcome for r in records)  # one pass, not one per outcome
@@ -181,8 +191,7 @@ def summarize_records(records: Sequence[RequestRecord], duration_s: float,
         "slo_attainment": (num_good / judged if judged else None) if slo else None,
     }
     summary["slo_passed"] = _slo_passed(ok, outcomes, judged, slo)
-    summary.update(_cost(price_per_hour, duration_s, outcomes["success"], num_good, output_tokens))
-    return summary
+    return summary, (duration_s, outcomes["success"], num_good, output_tokens)
 
 
 def _slo_passed(ok: list, outcomes: dict, judged: int, slo: SLO | None) -> bool | None:
@@ -322,7 +331,13 @@ def _build_report(records, slo, duration_s, price_per_hour, metrics_samples, con
     # Derived once per record: the summary, each class and the per-request
     # list all read them (hundreds of thousands for an hour of simulation).
     latencies = [_latency(r) for r in records]
-    summary = summarize_records(records, duration_s, slo, price_per_hour, latencies)
+    # The run's summary without cost is also the summary of a class that
+    # holds every request (one tenant, one priority: the usual case), so
+    # it is computed once (an hour of simulation has 180k records).
+    whole, cost_inputs = _summary_without_cost(records, duration_s, slo, latencies)
+    summary = copy.deepcopy(whole)
+    summary.update(_cost(price_per_hour, *cost_inputs))
+    whole.update(_cost(None, *cost_inputs))
     server = server_metrics_block(metrics_samples)
     summary["queue_time"]["source"] = "records" if summary["queue_time"]["count"] else None
     if not summary["queue_time"]["count"] and server["queue_time"]:
@@ -332,20 +347,24 @@ def _build_report(records, slo, duration_s, price_per_hour, metrics_samples, con
         "config": config or {},
         "slo": asdict(slo) if slo else None,
         "summary": summary,
-        "by_tenant": _by(records, latencies, lambda r: r.tenant, duration_s, slo),
-        "by_priority": _by(records, latencies, lambda r: str(r.priority), duration_s, slo),
+        "by_tenant": _by(records, latencies, lambda r: r.tenant, duration_s, slo, whole),
+        "by_priority": _by(records, latencies, lambda r: str(r.priority), duration_s, slo, whole),
         "server_metrics": server,
         "client": client_stats or {},
         "requests": [_record_dict(r, lat) for r, lat in zip(records, latencies)],
     }
 
 
-def _by(records, latencies, key, duration_s, slo) -> dict:
+def _by(records, latencies, key, duration_s, slo, whole: dict) -> dict:
+    """Summaries per class; `whole` is summarize_records of all records
+    without a price (copied when one class holds them all)."""
     groups: dict[str, tuple[list, list]] = {}
     for r, lat in zip(records, latencies):
         group = groups.setdefault(key(r), ([], []))
         group[0].append(r)
         group[1].append(lat)
+    if len(groups) == 1:
+        return {k: copy.deepcopy(whole) for k in groups}
     # Cost is not split per class: the hardware is shared.
     return {k: summarize_records(rs, duration_s, slo, None, lats) for k, (rs, lats) in sorted(groups.items())}
 

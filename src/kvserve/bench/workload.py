@@ -65,17 +65,20 @@ class LengthDist:
         if self.kind not in _SAMPLERS:
             raise ValueError(f"unknown length distribution {self.kind!r}; "
                              f"use one of {sorted(_SAMPLERS)}")
+        # The params as a dict, built once (sample() reads several per
+        # request); not a field, so equality and hashing are unchanged.
+        object.__setattr__(self, "_params", dict(self.params))
+        object.__setattr__(self, "_bounds", (self.param("min", 1.0), self.param("max", math.inf)))
 
     def param(self, name: str, default: float | None = None) -> float:
-        value = dict(self.params).get(name, default)
+        value = self._params.get(name, default)
         if value is None:
             raise ValueError(f"length distribution {self.kind!r} needs {name}=")
         return value
 
     def sample(self, rng: random.Random) -> int:
         raw = _SAMPLERS[self.kind](self, rng)
-        lo = self.param("min", 1.0)
-        hi = self.param("max", math.inf)
+        lo, hi = self._bounds
         return max(1, int(round(min(max(raw, lo), hi))))
 
 
@@ -163,18 +166,33 @@ def iter_requests(spec: WorkloadSpec, seed: int = 0) -> Iterator[RequestSpec]:
     # reshuffle the lengths of an otherwise identical run.
     rng_len = random.Random(f"{seed}:lengths")
     rng_mix = random.Random(f"{seed}:classes")
+    mixes = _Mixes(spec)
     for i in itertools.count():
-        yield _one_request(spec, i, rng_len, rng_mix)
+        yield _one_request(spec, mixes, i, rng_len, rng_mix)
 
 
-def _one_request(spec: WorkloadSpec, index: int, rng_len: random.Random,
+class _Mixes:
+    """A workload's weighted choices as (population, cumulative weights),
+    computed once: random.choices(population, cum_weights=...) draws what
+    choices(population, weights=...) draws, without summing per request."""
+
+    def __init__(self, spec: WorkloadSpec) -> None:
+        self.classes = _cumulative(spec.classes, [c.weight for c in spec.classes])
+        self.tenants = _cumulative([t for t, _ in spec.tenants], [w for _, w in spec.tenants])
+        self.priorities = _cumulative([p for p, _ in spec.priorities], [w for _, w in spec.priorities])
+
+
+def _cumulative(population, weights) -> tuple[list, list]:
+    return list(population), list(itertools.accumulate(weights))
+
+
+def _one_request(spec: WorkloadSpec, mixes: _Mixes, index: int, rng_len: random.Random,
                  rng_mix: random.Random) -> RequestSpec:
-    cls = rng_mix.choices(spec.classes, weights=[c.weight for c in spec.classes])[0]
+    cls = rng_mix.choices(mixes.classes[0], cum_weights=mixes.classes[1])[0]
     prompt_tokens = cls.prompt.sample(rng_len)
     output_tokens = cls.output.sample(rng_len)
-    tenant = rng_mix.choices([t for t, _ in spec.tenants], [w for _, w in spec.tenants])[0]
-    priority = rng_mix.choices([p for p, _ in spec.priorities],
-                               [w for _, w in spec.priorities])[0]
+    tenant = rng_mix.choices(mixes.tenants[0], cum_weights=mixes.tenants[1])[0]
+    priority = rng_mix.choices(mixes.priorities[0], cum_weights=mixes.priorities[1])[0]
     group = None
     if spec.prefix_share > 0 and rng_mix.random() < spec.prefix_share:
         group = PrefixGroup(rng_mix.randrange(spec.num_prefix_groups), spec.prefix_tokens)

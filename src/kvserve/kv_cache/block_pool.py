@@ -80,14 +80,32 @@ class BlockPool:
     def allocate(self, num_blocks: int) -> list[KVBlock] | None:
         """`num_blocks` fresh blocks with ref_count 1, or None (no change) if
         fewer are available. Evicts LRU cached blocks when the free list runs out."""
-        if num_blocks > self.num_free_blocks:
+        free, evictable = self._free, self._evictable
+        if num_blocks > len(free) + len(evictable):
             return None
         out = []
         for _ in range(num_blocks):
-            block = self._free.pop() if self._free else self._evict_lru()
+            if free:
+                block = free.pop()
+            else:  # _evict_lru inline: once a cache fills, nearly every block comes from here
+                _, block = evictable.popitem(last=False)
+                del self._by_hash[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
             block.ref_count = 1
             out.append(block)
         return out
+
+    def allocate_one(self) -> KVBlock | None:
+        """allocate(1)'s block, or None (no change) when none is available."""
+        if self._free:
+            block = self._free.pop()
+        elif self._evictable:
+            block = self._evict_lru()
+        else:
+            return None
+        block.ref_count = 1
+        return block
 
     def _evict_lru(self) -> KVBlock:
         _, block = self._evictable.popitem(last=False)
@@ -122,6 +140,17 @@ class BlockPool:
         block.block_hash = block_hash
         self._by_hash[block_hash] = block
         return True
+
+    def cache_blocks(self, blocks: Iterable[KVBlock], block_hashes: Iterable[bytes]) -> None:
+        """cache_block for each block and its hash, in order (a prompt
+        registers all its blocks at once)."""
+        if not self.enable_caching:
+            return
+        by_hash = self._by_hash
+        for block, block_hash in zip(blocks, block_hashes):
+            if block.block_hash is None and block_hash not in by_hash:
+                block.block_hash = block_hash
+                by_hash[block_hash] = block
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached (free) block; in-use hashed blocks stay shared."""

@@ -14,7 +14,8 @@ from typing import NamedTuple
 from kvserve.config import CacheConfig
 from kvserve.contract import Request
 from kvserve.kv_cache.block_pool import BlockPool, KVBlock
-from kvserve.kv_cache.hashing import hash_block, hash_prefix_blocks, namespace_root
+from kvserve.kv_cache.hashing import (encoded_repeat, hash_block, hash_encoded_block, hash_prefix_blocks,
+                                      namespace_root)
 
 
 class ComputedBlocks(NamedTuple):
@@ -139,6 +140,13 @@ class KVCacheManager:
         num_new_blocks = -(-num_tokens_after // self.block_size) - len(held)
         if num_new_blocks <= 0:
             return []  # a decode step inside the last block
+        if num_new_blocks == 1:  # a decode step entering a new block
+            block = self.pool.allocate_one()
+            if block is None:
+                return None
+            held.append(block)
+            self._block_ids[request_id].append(block.block_id)
+            return [block]
         new_blocks = self.pool.allocate(num_new_blocks)
         if new_blocks is None:
             return None
@@ -146,19 +154,28 @@ class KVCacheManager:
         self._block_ids[request_id].extend([b.block_id for b in new_blocks])
         return new_blocks
 
-    def cache_computed_blocks(self, request: Request) -> None:
+    def cache_computed_blocks(self, request: Request, num_computed_tokens: int | None = None,
+                              pending_token_id: int | None = None) -> None:
         """Register the request's full blocks whose KV is now computed (call after
-        the step that computed them ran), so later requests can hit them."""
+        the step that computed them ran), so later requests can hit them.
+
+        `num_computed_tokens` defaults to the request's. A caller that applies
+        decode steps lazily (`DecodeRun`) may pass more: the tokens past
+        `request.num_tokens` are then all `pending_token_id`, and the hashes
+        are those the request's tokens will have once brought up to date."""
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
-        num_full = request.num_computed_tokens // self.block_size
+        if num_computed_tokens is None:
+            num_computed_tokens = request.num_computed_tokens
+        num_full = num_computed_tokens // self.block_size
         start = self._num_cached_blocks.get(rid, num_full)
         if num_full <= start:
             return
-        held = self._blocks[rid]
-        for i, block_hash in enumerate(self._request_hashes(request, num_full)[start:num_full], start):
-            self.pool.cache_block(held[i], block_hash)
+        hashes = request.block_hashes
+        if len(hashes) < num_full:
+            hashes = self._request_hashes(request, num_full, pending_token_id)
+        self.pool.cache_blocks(self._blocks[rid][start:num_full], hashes[start:num_full])
         self._num_cached_blocks[rid] = num_full
 
     def free(self, request: Request) -> None:
@@ -171,16 +188,24 @@ class KVCacheManager:
         if blocks:
             self.pool.release(reversed(blocks))
 
-    def _request_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+    def _request_hashes(self, request: Request, num_blocks: int, pending_token_id: int | None = None) -> list[bytes]:
         """The request's chained block hashes, extended to `num_blocks` (kept on
-        the request: a full block's tokens never change, even across preemption)."""
+        the request: a full block's tokens never change, even across
+        preemption). Positions past the request's tokens hold
+        `pending_token_id` (see cache_computed_blocks)."""
         hashes = request.block_hashes
         if len(hashes) >= num_blocks:
             return hashes
         size = self.block_size
         parent = hashes[-1] if hashes else namespace_root(request.cache_namespace)
-        for i in range(len(hashes), num_blocks):
-            parent = hash_block(parent, request.token_ids_slice(i * size, (i + 1) * size))
+        for start in range(len(hashes) * size, num_blocks * size, size):
+            tokens = request.token_ids_slice(start, start + size)  # short past the request's tokens
+            if len(tokens) == size or pending_token_id is None:
+                parent = hash_block(parent, tokens)
+            elif tokens:
+                parent = hash_block(parent, tokens + [pending_token_id] * (size - len(tokens)))
+            else:
+                parent = hash_encoded_block(parent, encoded_repeat(pending_token_id, size))
             hashes.append(parent)
         return hashes
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -209,6 +209,26 @@ class StepTimeModel:
         self._dy, self._py = self._dy * k + d * y, self._py * k + p * y
         self._fit_is_current = False
 
+    def observe_steps(self, steps: Iterable[tuple[int, int, float]]) -> None:
+        """`observe` of each (num_decode_seqs, num_prefill_tokens, step_s) in
+        order that has work and a time >= 0 (AdmissionController.observe_step's
+        rule): the same operations on local sums (a simulated hour feeds
+        millions of decode steps)."""
+        k = self._decay
+        w, sd, sp, sy = self._w, self._d, self._p, self._y
+        sdd, spp, sdp, sdy, spy = self._dd, self._pp, self._dp, self._dy, self._py
+        for num_decode_seqs, num_prefill_tokens, step_s in steps:
+            if not (num_decode_seqs + num_prefill_tokens > 0 and step_s >= 0):
+                continue
+            d, p, y = float(num_decode_seqs), float(num_prefill_tokens), float(step_s)
+            w = w * k + 1.0
+            sd, sp, sy = sd * k + d, sp * k + p, sy * k + y
+            sdd, spp, sdp = sdd * k + d * d, spp * k + p * p, sdp * k + d * p
+            sdy, spy = sdy * k + d * y, spy * k + p * y
+        self._w, self._d, self._p, self._y = w, sd, sp, sy
+        self._dd, self._pp, self._dp, self._dy, self._py = sdd, spp, sdp, sdy, spy
+        self._fit_is_current = False
+
     @property
     def mean_step_s(self) -> float | None:
         return self._y / self._w if self._w else None
@@ -239,22 +259,31 @@ class StepTimeModel:
         negative, the cost is not linear over the shapes seen (a small
         prefill costs what a decode does, a large one is compute-bound), and
         the slopes are refitted through the origin instead."""
+        # Plain floats, not dicts keyed by factor: admission solves this at
+        # every step start. The operations and their order are the
+        # textbook ones: centred = raw - mean * mean.
         w = self._w
         if w < MIN_FIT_STEPS:
             return None
-        mean = {"d": self._d / w, "p": self._p / w}
-        mean_y = self._y / w
-        raw_xx = {"dd": self._dd / w, "pp": self._pp / w, "dp": self._dp / w}
-        raw_xy = {"d": self._dy / w, "p": self._py / w}
-        centred_xx = {"dd": raw_xx["dd"] - mean["d"] ** 2, "pp": raw_xx["pp"] - mean["p"] ** 2,
-                      "dp": raw_xx["dp"] - mean["d"] * mean["p"]}
-        centred_xy = {f: raw_xy[f] - mean[f] * mean_y for f in ("d", "p")}
-        identified = [f for f in ("d", "p") if centred_xx[f + f] > MIN_FACTOR_VARIANCE]
-        slopes = _nonnegative_slopes(identified, centred_xx, centred_xy)
-        intercept_s = mean_y - sum(slopes[f] * mean[f] for f in identified)
+        mean_d, mean_p, mean_y = self._d / w, self._p / w, self._y / w
+        raw_dd, raw_pp, raw_dp = self._dd / w, self._pp / w, self._dp / w
+        raw_dy, raw_py = self._dy / w, self._py / w
+        centred_dd, centred_pp = raw_dd - mean_d ** 2, raw_pp - mean_p ** 2
+        centred_dp = raw_dp - mean_d * mean_p
+        centred_dy, centred_py = raw_dy - mean_d * mean_y, raw_py - mean_p * mean_y
+        has_d, has_p = centred_dd > MIN_FACTOR_VARIANCE, centred_pp > MIN_FACTOR_VARIANCE
+        per_decode_s, per_prefill_s = _nonnegative_slopes(
+            has_d, has_p, centred_dd, centred_pp, centred_dp, centred_dy, centred_py)
+        explained_s = 0  # sum() of the identified factors' slope x mean, in factor order
+        if has_d:
+            explained_s = explained_s + per_decode_s * mean_d
+        if has_p:
+            explained_s = explained_s + per_prefill_s * mean_p
+        intercept_s = mean_y - explained_s
         if intercept_s < 0:
-            slopes, intercept_s = _nonnegative_slopes(identified, raw_xx, raw_xy), 0.0
-        per_decode_s, per_prefill_s = slopes.get("d"), slopes.get("p")
+            per_decode_s, per_prefill_s = _nonnegative_slopes(
+                has_d, has_p, raw_dd, raw_pp, raw_dp, raw_dy, raw_py)
+            intercept_s = 0.0
         if per_decode_s is not None and per_prefill_s is not None:
             # A decode runs its token through the same weights a prefill token
             # does, plus its own KV read and sampling: never cheaper. Noisy
@@ -264,29 +293,38 @@ class StepTimeModel:
         return StepFit(intercept_s, per_decode_s, per_prefill_s)
 
 
-def _nonnegative_slopes(factors: list[str], xx: dict, xy: dict) -> dict[str, float]:
-    """Least-squares slopes of step time on `factors` ("d", "p") from their
-    second moments xx ("dd", "pp", "dp") and xy. A negative slope (a bigger
-    batch is never faster) is set to 0 and the rest refitted; of two
-    collinear factors prefill is dropped, since the running cap needs the
-    decode slope."""
-    slopes = dict.fromkeys(factors, 0.0)
-    active = list(factors)
-    det = xx["dd"] * xx["pp"] - xx["dp"] ** 2
-    if len(active) == 2 and det <= COLLINEAR_TOLERANCE * xx["dd"] * xx["pp"]:
-        active.remove("p")
-    while active:
-        if len(active) == 1:
-            solved = {active[0]: xy[active[0]] / xx[active[0] * 2]}
+def _nonnegative_slopes(use_d: bool, use_p: bool, xx_dd: float, xx_pp: float, xx_dp: float,
+                        xy_d: float, xy_p: float) -> tuple[float | None, float | None]:
+    """Least-squares slopes (decode seqs, prefill tokens) of step time on the
+    factors in use, from their second moments xx and xy; None for a factor
+    not in use. A negative slope (a bigger batch is never faster) is set to
+    0 and the rest refitted (of two negative ones the more negative goes
+    first, decode on a tie); of two collinear factors prefill is dropped,
+    since the running cap needs the decode slope."""
+    slope_d = 0.0 if use_d else None
+    slope_p = 0.0 if use_p else None
+    if use_d and use_p:
+        det = xx_dd * xx_pp - xx_dp ** 2
+        if det <= COLLINEAR_TOLERANCE * xx_dd * xx_pp:
+            use_p = False
         else:
-            solved = {"d": (xy["d"] * xx["pp"] - xy["p"] * xx["dp"]) / det,
-                      "p": (xy["p"] * xx["dd"] - xy["d"] * xx["dp"]) / det}
-        negative = [f for f in active if solved[f] < 0]
-        if not negative:
-            slopes.update(solved)
-            break
-        active.remove(min(negative, key=solved.get))
-    return slopes
+            solved_d = (xy_d * xx_pp - xy_p * xx_dp) / det
+            solved_p = (xy_p * xx_dd - xy_d * xx_dp) / det
+            if solved_d >= 0 and solved_p >= 0:
+                return solved_d, solved_p
+            if solved_d < 0 and (solved_p >= 0 or solved_d <= solved_p):
+                use_d = False
+            else:
+                use_p = False
+    if use_d:
+        solved_d = xy_d / xx_dd
+        if solved_d >= 0:
+            slope_d = solved_d
+    elif use_p:
+        solved_p = xy_p / xx_pp
+        if solved_p >= 0:
+            slope_p = solved_p
+    return slope_d, slope_p
 
 
 class AdmissionController:
@@ -307,6 +345,11 @@ class AdmissionController:
         self.clock = clock
         self.tenant_limits = dict(tenant_limits or {})
         self._tickets: dict[str, _Ticket] = {}
+        # The unstarted tickets (in admission order, as in _tickets) and the
+        # started ones' blocks: the per-request questions (queue length,
+        # work ahead, expiry) then read only the queue, not every ticket.
+        self._queued: dict[str, _Ticket] = {}
+        self._started_blocks = 0
         self._drain_blocks = BusyRate(config.drain_window_s)
         self._drain_requests = BusyRate(config.drain_window_s)
         self._admissions = BusyRate(config.drain_window_s)
@@ -327,11 +370,11 @@ class AdmissionController:
 
     @property
     def num_queued(self) -> int:
-        return sum(1 for t in self._tickets.values() if not t.started)
+        return len(self._queued)
 
     @property
     def num_started(self) -> int:
-        return sum(1 for t in self._tickets.values() if t.started)
+        return len(self._tickets) - len(self._queued)
 
     def num_inflight(self, tenant: str | None = None) -> int:
         return sum(1 for t in self._tickets.values() if tenant is None or t.request.tenant == tenant)
@@ -405,12 +448,13 @@ class AdmissionController:
         max_tokens = request.max_tokens if max_tokens is None else max_tokens
         need = self.blocks_needed(request.num_prompt_tokens, max_tokens, request.num_cached_tokens)
         blocks_ahead, seqs_ahead = self._work_ahead(request, need)
+        running_cap = self.running_cap()
         excess_blocks = blocks_ahead + need - self.num_blocks
-        excess_seqs = seqs_ahead + 1 - self.running_cap()
+        excess_seqs = seqs_ahead + 1 - running_cap
         # Before anything drained, allow one more cache (or batch) worth of
         # queue and refuse beyond it.
         kv_wait = _wait_for(excess_blocks, self._block_drain_rate(now), self.num_blocks)
-        seq_wait = _wait_for(excess_seqs, self._request_drain_rate(now), self.running_cap())
+        seq_wait = _wait_for(excess_seqs, self._request_drain_rate(now), running_cap)
         wait_s, binding = (kv_wait, KV_CACHE) if kv_wait >= seq_wait else (seq_wait, QUEUE_FULL)
         return self._calibrated(wait_s), binding
 
@@ -427,10 +471,10 @@ class AdmissionController:
         started, queued work of more urgent classes, and within its own class
         its tenant's queue plus, from each other tenant, at most as much as
         its own tenant has queued (the scheduler shares a class fairly)."""
-        blocks = seqs = 0
+        blocks, seqs = self._started_blocks, len(self._tickets) - len(self._queued)
         same_class: dict[str, list[int]] = {}
-        for t in self._tickets.values():
-            if t.started or t.request.priority < request.priority:
+        for t in self._queued.values():
+            if t.request.priority < request.priority:
                 blocks, seqs = blocks + t.num_blocks, seqs + 1
             elif t.request.priority == request.priority:
                 tenant = same_class.setdefault(t.request.tenant, [0, 0])
@@ -588,7 +632,7 @@ class AdmissionController:
         start_by, reason = now + self.config.queue_timeout_s, QUEUE_TIMEOUT
         if request.deadline is not None and request.deadline < start_by:
             start_by, reason = request.deadline, DEADLINE
-        self._tickets[request.request_id] = _Ticket(
+        self._tickets[request.request_id] = self._queued[request.request_id] = _Ticket(
             request, max_tokens,
             self.blocks_needed(request.num_prompt_tokens, max_tokens, request.num_cached_tokens),
             start_by, reason, now, decision.expected_wait_s)
@@ -606,6 +650,8 @@ class AdmissionController:
         if ticket is None or ticket.started:
             return
         ticket.started = True
+        del self._queued[request_id]
+        self._started_blocks += ticket.num_blocks
         predicted_s = ticket.predicted_wait_s
         if predicted_s is None or not math.isfinite(predicted_s):
             return
@@ -626,8 +672,11 @@ class AdmissionController:
         now = self.clock()
         self._advance(now, busy=bool(self._tickets))
         if ticket.started:
+            self._started_blocks -= ticket.num_blocks
             self._drain_blocks.add(ticket.num_blocks)
             self._drain_requests.add(1.0)
+        else:
+            del self._queued[request_id]
         entry = self._tpm_entry.pop(request_id, None)
         if entry is not None and num_tokens is not None:
             entry[2] = min(entry[2], num_tokens)
@@ -636,14 +685,19 @@ class AdmissionController:
         """(request_id, reason) of admitted requests not started in time; the
         caller aborts them and calls on_finish."""
         now = self.clock()
-        return [(rid, t.start_by_reason) for rid, t in self._tickets.items()
-                if not t.started and t.start_by is not None and now > t.start_by]
+        return [(rid, t.start_by_reason) for rid, t in self._queued.items()
+                if t.start_by is not None and now > t.start_by]
 
     def observe_step(self, num_decode_seqs: int, num_prefill_tokens: int, step_s: float) -> None:
         """Feed one measured engine step (for the running cap and the
         prefill token budget); empty steps are ignored."""
         if num_decode_seqs + num_prefill_tokens > 0 and step_s >= 0:
             self.step_model.observe(num_decode_seqs, num_prefill_tokens, step_s)
+
+    def observe_steps(self, steps: Iterable[tuple[int, int, float]]) -> None:
+        """observe_step of each (num_decode_seqs, num_prefill_tokens, step_s)
+        in order, in one call (a simulator's multi-step decode run)."""
+        self.step_model.observe_steps(steps)
 
     def _advance(self, now: float, busy: bool) -> None:
         for rate in (self._drain_blocks, self._drain_requests, self._admissions):

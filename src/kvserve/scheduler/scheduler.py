@@ -27,6 +27,8 @@ Pure Python: the clock is injected, no torch.
 from __future__ import annotations
 
 import bisect
+import itertools
+import operator
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -98,9 +100,11 @@ class SchedulerStats(NamedTuple):
     prefix_cache_hits: int  # tokens
 
 
-def _urgency(request: Request) -> tuple[int, float]:
-    """Sort key of running requests: most urgent first; the last is the preemption victim."""
-    return (request.priority, request.arrival_time)
+# Sort key of running requests: most urgent first; the last is the
+# preemption victim. (A C-level getter: it runs for every running request
+# at every step.)
+_urgency = operator.attrgetter("priority", "arrival_time")
+_RUNNING = RequestStatus.RUNNING
 
 
 class Scheduler:
@@ -182,34 +186,39 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, now: float) -> int:
+        # Runs over every running request at every step (the server's hot
+        # path): len()s instead of the num_tokens property, locals.
         budget = self.max_batched_tokens
-        by_urgency = sorted(self.running.values(), key=_urgency)
+        running, kv, chunks = self.running, self.kv_cache, out.chunks
+        by_urgency = sorted(running.values(), key=_urgency)
         decodes, prefills = [], []
         for request in by_urgency:
-            remaining = request.num_tokens - request.num_computed_tokens
+            remaining = len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens
             (decodes if remaining == 1 else prefills).append((request, remaining))
         unscheduled = list(by_urgency)  # victims come from its tail
         done: set[str] = set()
-        for request, remaining in decodes + prefills:
+        for request, remaining in itertools.chain(decodes, prefills):
             if budget == 0:
                 break
-            if request.request_id not in self.running:
+            rid = request.request_id
+            if rid not in running:
                 continue  # preempted earlier in this step
-            num_new = min(remaining, budget)
-            if not self._allocate_or_preempt(request, num_new, unscheduled, done, out, now):
+            num_new = remaining if remaining < budget else budget
+            if kv.allocate_slots(request, num_new) is None and \
+                    not self._preempt_until_allocated(request, num_new, unscheduled, done, out, now):
                 continue
-            done.add(request.request_id)
-            out.chunks.append(ScheduledChunk(
-                request, request.num_computed_tokens, num_new,
-                self.kv_cache.block_ids(request.request_id), num_new == remaining))
+            done.add(rid)
+            chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new, kv.block_ids(rid),
+                                         num_new == remaining))
             budget -= num_new
         return budget
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, unscheduled: list[Request],
-                             done: set[str], out: SchedulerOutput, now: float) -> bool:
-        """Allocate KV for `num_new` tokens, preempting victims until it fits.
-        False if the request itself had to go."""
-        while self.kv_cache.allocate_slots(request, num_new) is None:
+    def _preempt_until_allocated(self, request: Request, num_new: int, unscheduled: list[Request],
+                                 done: set[str], out: SchedulerOutput, now: float) -> bool:
+        """After `request` found no room for `num_new` tokens: preempt
+        victims until its allocation fits. False if the request itself had
+        to go."""
+        while True:
             victim = self._pick_victim(unscheduled, done)
             if victim is request and len(self.running) == 1:
                 # Alone and still out of room: it has outgrown the whole cache.
@@ -220,7 +229,8 @@ class Scheduler:
             out.preempted_ids.append(victim.request_id)
             if victim is request:
                 return False
-        return True
+            if self.kv_cache.allocate_slots(request, num_new) is not None:
+                return True
 
     def _pick_victim(self, by_urgency: list[Request], done: set[str]) -> Request:
         """Lowest-priority, latest-arrived running request not scheduled this step."""
@@ -283,9 +293,12 @@ class Scheduler:
                 or len(self.running) > self.max_batched_tokens:
             return None
         batch = sorted(self.running.values(), key=_urgency)
-        if any(r.num_tokens - r.num_computed_tokens != 1 for r in batch):
+        starts = [r.num_computed_tokens for r in batch]
+        # Steady: each request has only its last sampled token left to run
+        # (list comparisons in C: this runs at every step start).
+        if [len(r.prompt_token_ids) + len(r.output_token_ids) for r in batch] != [s + 1 for s in starts]:
             return None
-        run = DecodeRun(self, batch, token_id, max_steps)
+        run = DecodeRun(self, batch, starts, token_id, max_steps)
         return run if run.num_steps > 0 else None
 
     def _steps_until_stop(self, request: Request, token_id: int) -> int:
@@ -305,29 +318,26 @@ class Scheduler:
         and free requests that stop. Returns the requests that received a token."""
         now = self.clock()
         progressed = []
-        for chunk in output.chunks:
+        cache_computed_blocks = self.kv_cache.cache_computed_blocks
+        for chunk in output.chunks:  # every running request, every step: locals, no properties
             request = chunk.request
-            if request.status != RequestStatus.RUNNING:
+            if request.status != _RUNNING:
                 continue  # finished from outside between schedule and update
-            request.num_computed_tokens = chunk.end
-            self.kv_cache.cache_computed_blocks(request)
+            request.num_computed_tokens = chunk.start + chunk.num_new_tokens
+            cache_computed_blocks(request)
             if not chunk.samples:
                 continue
             token_id = sampled_token_ids[request.request_id]
-            self._append_token(request, token_id, now)
+            request.output_token_ids.append(token_id)
+            stamps = request.timestamps
+            if stamps.first_token is None:
+                stamps.first_token = now
+            stamps.token_times.append(now)
             status = self._stop_status(request, token_id)
             if status is not None:
                 self._finish(request, status, now)
             progressed.append(request)
         return progressed
-
-    @staticmethod
-    def _append_token(request: Request, token_id: int, now: float) -> None:
-        request.output_token_ids.append(token_id)
-        stamps = request.timestamps
-        if stamps.first_token is None:
-            stamps.first_token = now
-        stamps.token_times.append(now)
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         # Runs for every decoding request every step: plain len() calls, no properties.
@@ -365,90 +375,118 @@ class DecodeRun:
     tables, prefix-cache registrations, free and evictable blocks), the
     running set and every finished request are exactly what schedule() /
     update() would have left. `apply_steps` does the same for a stretch of
-    steps whose end times are known, visiting only the steps with events. The progress of a request with no event in a
-    step (num_computed_tokens, output tokens, token timestamps) lags until
-    `in_flight_output` or `close` brings every request up to date.
+    steps whose end times are known, visiting only the steps with events.
+    The progress of a request with no finish in a step (num_computed_tokens,
+    output tokens, token timestamps) lags until `in_flight_output` or
+    `close` brings every request up to date; a block it completes is
+    registered without it, since the block's tokens past the request's
+    known ones are all the run's token.
+
+    The events are one sorted list of integer keys, built from ranges (no
+    Python loop per event while planning): with N requests, request i's
+    allocation for step s is key (2s - 1) * N + i, its update at step s (a
+    completed block, a finish) key 2s * N + i. Ascending keys are the order
+    single steps run them in: schedule(s) allocates in batch order, update(s)
+    registers and finishes in batch order, then schedule(s + 1).
     """
 
-    def __init__(self, scheduler: Scheduler, batch: list[Request], token_id: int, max_steps: int) -> None:
+    def __init__(self, scheduler: Scheduler, batch: list[Request], starts: list[int], token_id: int,
+                 max_steps: int) -> None:
         self._scheduler = scheduler
         self._kv = scheduler.kv_cache
         self._token_id = token_id
         self.requests = batch  # schedule()'s chunk order: most urgent first
-        self._start = [r.num_computed_tokens for r in batch]
+        self._start = starts  # each request's num_computed_tokens when the run starts
         self._synced = [0] * len(batch)  # steps applied to each request's fields
         self.end_times: list[float] = []  # of the steps updated so far
         # Per request: the step that ends it (may lie past the run).
         self._last_step = [scheduler._steps_until_stop(r, token_id) - 1 for r in batch]
-        self._allocations: dict[int, list[int]] = {}  # step -> request indexes needing a block
-        self._updates: dict[int, list[int]] = {}  # step -> indexes that fill a block or finish
+        self._events: list[int] = []  # ascending keys (see the class docstring)
         self.num_steps = self._plan(max_steps)
-        self.shapes = self._step_shapes()
-        # Steps i whose update_step(i) or schedule_step(i + 1) does any work,
-        # ascending: apply_steps visits only these.
-        self._event_steps = sorted({i for i in self._updates if i < self.num_steps}
-                                   | {i - 1 for i in self._allocations if 0 < i < self.num_steps})
-        self._next_event = 0  # index into _event_steps of the first not yet applied
         self._finish_steps = sorted(last for last in self._last_step if last < self.num_steps)
+        # Per step: decoding sequences (step_shapes adds the KV tokens read).
+        self.num_seqs: list[int] = []
+        self._stretches: list[tuple[int, int, int, int]] = []  # (first, last step, sequences, context)
+        self._describe_steps()
 
     def _plan(self, max_steps: int) -> int:
         """Collect the steps' events; return how many steps surely fit the KV
         cache (stopping before the first step whose new blocks might not fit,
         so a preemption still happens in an ordinary step)."""
-        max_steps = min(max_steps, max(self._last_step) + 1)  # no step after the batch is done
-        kv, block_size = self._kv, self._kv.block_size
-        caching = kv.enable_prefix_caching
-        allocations, updates_at = self._allocations, self._updates  # run once per run and request: locals
-        freed: dict[int, int] = {}
+        last_steps, starts, events = self._last_step, self._start, self._events
+        max_steps = min(max_steps, max(last_steps) + 1)  # no step after the batch is done
+        kv, n = self._kv, len(self.requests)
+        block_size, caching = kv.block_size, kv.enable_prefix_caching
+        stride = 2 * n * block_size  # between one request's events block_size steps apart
+        num_allocations = 0
+        # Blocks each request finishing inside the run surely frees: only its
+        # blocks from this run are surely its alone (shared prefix blocks
+        # may stay held), a lower bound.
+        freed = [0] * n
         for index, request in enumerate(self.requests):
-            computed = self._start[index]
-            last_step = self._last_step[index]
+            computed, last_step = starts[index], last_steps[index]
             last = min(last_step, max_steps - 1)
-            held_tokens = kv.num_held_blocks(request.request_id) * block_size
             # Step i runs token computed + i: it needs a new block when that
             # position passes the blocks held, then every block_size steps.
-            crossings = range(max(0, held_tokens - computed), last + 1, block_size)
-            for i in crossings:
-                if i in allocations:
-                    allocations[i].append(index)
-                else:
-                    allocations[i] = [index]
+            first = max(0, kv.num_held_blocks(request.request_id) * block_size - computed)
+            allocations = range((2 * first - 1) * n + index, (2 * last - 1) * n + index + 1, stride)
+            events += allocations
+            num_allocations += len(allocations)
+            last_update = 2 * last * n + index
+            completes_last = False
             if caching:  # step i completes a block when computed + i + 1 is a multiple
-                for i in range(-(computed + 1) % block_size, last + 1, block_size):
-                    if i in updates_at:
-                        updates_at[i].append(index)
-                    else:
-                        updates_at[i] = [index]
+                completions = range(2 * (-(computed + 1) % block_size) * n + index, last_update + 1, stride)
+                events += completions
+                completes_last = bool(completions) and completions[-1] == last_update
             if last_step < max_steps:
-                updates = updates_at.setdefault(last, [])
-                if not updates or updates[-1] != index:
-                    updates.append(index)
-                # Only its blocks from this run are surely its alone (shared
-                # prefix blocks may stay held): a lower bound on what it frees.
-                freed[last] = freed.get(last, 0) + len(crossings)
-        available = self._kv.num_free_blocks
-        # Only steps that allocate or free change the count (ascending order).
-        for i in sorted(self._allocations.keys() | freed.keys()):
-            need = len(self._allocations.get(i, ()))
-            if need > available:
-                return i
-            available += freed.get(i, 0) - need
+                if not completes_last:
+                    events.append(last_update)
+                freed[index] = len(allocations)
+        events.sort()
+        available = kv.num_free_blocks
+        if num_allocations <= available:
+            return max_steps  # frees only add: every step fits
+        for key in events:
+            step2, index = divmod(key, n)
+            if step2 & 1:  # an allocation for step (step2 + 1) / 2
+                if available == 0:
+                    num_steps = (step2 + 1) >> 1
+                    del events[bisect.bisect_left(events, (2 * num_steps - 1) * n):]
+                    return num_steps
+                available -= 1
+            elif last_steps[index] == step2 >> 1:  # a finish frees its blocks after the step
+                available += freed[index]
         return max_steps
 
-    def _step_shapes(self) -> list[tuple[int, int]]:
-        """(decoding sequences, KV tokens read) of each step: a request at
-        context c reads c + 1 tokens and computes one query over them."""
-        ending: dict[int, list[int]] = {}
-        for index, last in enumerate(self._last_step):
-            if last < self.num_steps:
-                ending.setdefault(last, []).append(index)
+    def _describe_steps(self) -> None:
+        """Fill num_seqs and the stretches of steps with an unchanged batch,
+        from which step_shapes derives each step's KV read."""
+        num_steps = self.num_steps
         active, context = len(self.requests), sum(self._start)
-        shapes = []
-        for i in range(self.num_steps):
-            shapes.append((active, context + active * (i + 1)))
-            for index in ending.get(i, ()):
-                active -= 1
-                context -= self._start[index]
+        ending = sorted((last, start) for last, start in zip(self._last_step, self._start) if last < num_steps)
+        first = 0  # the first step not yet described
+        for last, start in ending + [(num_steps - 1, 0)]:
+            if last >= first:  # steps first..last run `active` sequences
+                self.num_seqs += [active] * (last + 1 - first)
+                self._stretches.append((first, last, active, context))
+                first = last + 1
+            active -= 1
+            context -= start
+
+    def step_shapes(self, first: int, stop: int) -> list[tuple[int, int]]:
+        """(decoding sequences, KV tokens read) of steps first..stop - 1 (up
+        to the run's last): a request at context c reads c + 1 tokens and
+        computes one query over them. Built on demand: a run is planned
+        longer than most runs last."""
+        shapes: list[tuple[int, int]] = []
+        stretches = self._stretches
+        # The stretch holding step `first` (stretches start at 0 and follow each other).
+        index = bisect.bisect_right(stretches, (first, self.num_steps)) - 1
+        while first < stop and index < len(stretches):
+            _, stretch_last, active, context = stretches[index]
+            end = min(stop, stretch_last + 1)
+            shapes += zip([active] * (end - first), range(context + active * (first + 1), context + active * end + 1, active))
+            first, index = end, index + 1
         return shapes
 
     def num_finishing(self, first: int, last: int) -> int:
@@ -463,12 +501,29 @@ class DecodeRun:
 
     def schedule_step(self, step: int) -> None:
         """Allocate the blocks step `step` needs (what schedule() does for it)."""
-        synced = self._synced
-        for index in self._allocations.get(step, ()):
-            if synced[index] < step:
-                self._sync(index, step)
-            if self._kv.allocate_slots(self.requests[index], 1) is None:
-                raise AssertionError("a planned decode step ran out of KV blocks")
+        events, n = self._events, len(self.requests)
+        base = (2 * step - 1) * n
+        for position in range(bisect.bisect_left(events, base), bisect.bisect_left(events, base + n)):
+            self._allocate(events[position] - base, step)
+
+    def schedule_step_with_waiting(self, step: int) -> SchedulerOutput | None:
+        """Step `step` as schedule() builds it while requests wait: the
+        run's decodes take their tokens first (schedule_step), then waiting
+        requests start, in policy order, in the token budget the decodes
+        leave. Returns the chunks of the requests started; the decodes stay
+        in the run, which ends with this step: update it (update_step or
+        apply_steps), pass the returned output to the ordinary update(),
+        then close. None, with no change, when the budget cannot hold every
+        decode (schedule() would leave some out) or the step lies past the
+        run. The caller sets the step's limits first, as for schedule()."""
+        scheduler = self._scheduler
+        if step >= self.num_steps or scheduler.max_batched_tokens < self.num_seqs[step]:
+            return None
+        self.schedule_step(step)
+        out = SchedulerOutput()
+        scheduler._schedule_waiting(out, scheduler.max_batched_tokens - self.num_seqs[step], scheduler.clock())
+        out.num_batched_tokens = sum(c.num_new_tokens for c in out.chunks)
+        return out
 
     def update_step(self, step: int, now: float) -> list[Request]:
         """Apply step `step`'s results at `now` (what update() does for it):
@@ -477,21 +532,12 @@ class DecodeRun:
         if len(self.end_times) != step:
             raise ValueError(f"update_step({step}) after {len(self.end_times)} updated steps")
         self.end_times.append(now)
-        return self._update_events(step, now)
-
-    def _update_events(self, step: int, now: float) -> list[Request]:
+        events, n = self._events, len(self.requests)
+        base = 2 * step * n
         finished = []
-        synced = self._synced
-        for index in self._updates.get(step, ()):
-            request = self.requests[index]
-            if synced[index] <= step:
-                self._sync(index, step + 1)
-            self._kv.cache_computed_blocks(request)
-            if self._last_step[index] == step:
-                status = self._scheduler._stop_status(request, self._token_id)
-                if status is None:
-                    raise AssertionError(f"{request.request_id} planned to stop at step {step} but does not")
-                self._scheduler._finish(request, status, now)
+        for position in range(bisect.bisect_left(events, base), bisect.bisect_left(events, base + n)):
+            request = self._update(events[position] - base, step, now)
+            if request is not None:
                 finished.append(request)
         return finished
 
@@ -499,26 +545,56 @@ class DecodeRun:
         """Update the steps after those updated so far through `last`, step i
         ending at end_times[i], scheduling step i + 1 after each update while
         i < `last_scheduled`: the same as update_step(i, end_times[i]) then
-        schedule_step(i + 1) for each i, with Python work only for steps that
-        have any. The caller has called schedule_step for the first of them.
+        schedule_step(i + 1) for each i, with Python work only for the
+        events. The caller has called schedule_step for the first of them.
         Returns (step, request) of the requests finished, in order."""
         first = len(self.end_times)
         if last < first:
             return []
         self.end_times.extend(end_times[first:last + 1])
-        events, position = self._event_steps, self._next_event
-        while position < len(events) and events[position] < first:
-            position += 1  # stepped through update_step / schedule_step already
+        events, n = self._events, len(self.requests)
+        # Step first's allocations are done; the next step's only if scheduled.
+        lo = bisect.bisect_left(events, 2 * first * n)
+        hi = bisect.bisect_left(events, (2 * last + (2 if last < last_scheduled else 1)) * n, lo)
         finished = []
-        while position < len(events) and events[position] <= last:
-            step = events[position]
-            position += 1
-            for request in self._update_events(step, end_times[step]):
-                finished.append((step, request))
-            if step < last_scheduled:
-                self.schedule_step(step + 1)
-        self._next_event = position
+        # _allocate and _update inline (the hot loop of a simulated hour).
+        requests, starts, synced, last_steps = self.requests, self._start, self._synced, self._last_step
+        allocate_slots, cache_computed_blocks = self._kv.allocate_slots, self._kv.cache_computed_blocks
+        token_id = self._token_id
+        for key in events[lo:hi]:
+            step2, index = divmod(key, n)
+            if step2 & 1:  # the allocation for step (step2 + 1) / 2
+                if allocate_slots(requests[index], ((step2 + 1) >> 1) + 1 - synced[index]) is None:
+                    raise AssertionError("a planned decode step ran out of KV blocks")
+            elif last_steps[index] != step2 >> 1:  # a completed block
+                cache_computed_blocks(requests[index], starts[index] + (step2 >> 1) + 1, token_id)
+            else:
+                step = step2 >> 1
+                finished.append((step, self._update(index, step, end_times[step])))
         return finished
+
+    def _allocate(self, index: int, step: int) -> None:
+        # The request's fields may lag behind the run: ask for the tokens
+        # through step `step` from where they stand (the same allocation).
+        if self._kv.allocate_slots(self.requests[index], step + 1 - self._synced[index]) is None:
+            raise AssertionError("a planned decode step ran out of KV blocks")
+
+    def _update(self, index: int, step: int, now: float) -> Request | None:
+        """Request `index`'s event at the end of step `step`: register its
+        completed block (its tokens past the request's known ones are all
+        the run's token), or bring it up to date and finish it. Returns it
+        when it finished."""
+        request = self.requests[index]
+        if self._last_step[index] != step:
+            self._kv.cache_computed_blocks(request, self._start[index] + step + 1, self._token_id)
+            return None
+        self._sync(index, step + 1)
+        self._kv.cache_computed_blocks(request)
+        status = self._scheduler._stop_status(request, self._token_id)
+        if status is None:
+            raise AssertionError(f"{request.request_id} planned to stop at step {step} but does not")
+        self._scheduler._finish(request, status, now)
+        return request
 
     def in_flight_output(self, step: int) -> SchedulerOutput:
         """End the run early after schedule_step(step): bring every request up
@@ -534,9 +610,21 @@ class DecodeRun:
 
     def close(self) -> None:
         """After the last update_step: bring every request up to date."""
+        # _sync of every running request, inline: once per run and request.
+        end_times, synced, token_id = self.end_times, self._synced, self._token_id
+        num_steps = len(end_times)
         for index, request in enumerate(self.requests):
-            if request.status == RequestStatus.RUNNING:
-                self._sync(index, len(self.end_times))
+            done = synced[index]
+            if done == num_steps or request.status != _RUNNING:
+                continue
+            times = end_times[done:]
+            request.num_computed_tokens += num_steps - done
+            request.output_token_ids += [token_id] * (num_steps - done)
+            stamps = request.timestamps
+            if stamps.first_token is None:
+                stamps.first_token = times[0]
+            stamps.token_times += times
+            synced[index] = num_steps
 
     def _sync(self, index: int, num_steps: int) -> None:
         """Apply the first `num_steps` steps' tokens to request `index`."""
@@ -546,9 +634,9 @@ class DecodeRun:
         request = self.requests[index]
         times = self.end_times[done:num_steps]
         request.num_computed_tokens += num_steps - done
-        request.output_token_ids.extend([self._token_id] * (num_steps - done))
+        request.output_token_ids += [self._token_id] * (num_steps - done)
         stamps = request.timestamps
         if stamps.first_token is None:
             stamps.first_token = times[0]
-        stamps.token_times.extend(times)
+        stamps.token_times += times
         self._synced[index] = num_steps

@@ -35,8 +35,12 @@ workload exactly. Every request ends as a `bench.report.RequestRecord`, so
 from __future__ import annotations
 
 import bisect
+import functools
+import gc
 import heapq
+import itertools
 import math
+import operator
 from dataclasses import dataclass, field
 
 from kvserve.bench.report import RequestRecord
@@ -46,7 +50,7 @@ from kvserve.contract import Request, SamplingParams
 from kvserve.kv_cache.hashing import hash_prefix_blocks
 from kvserve.scheduler.admission import AdmissionController, AdmissionRequest
 from kvserve.scheduler.scheduler import DecodeRun, Scheduler, SchedulerOutput
-from kvserve.sim.cost_model import CostModel, chunk_shape, decode_step_ends_s
+from kvserve.sim.cost_model import CostModel, StepShape, chunk_shape, decode_step_ends_s
 from kvserve.sim.router import Router
 
 # The token every simulated step "samples": any id that is not EOS works,
@@ -54,10 +58,15 @@ from kvserve.sim.router import Router
 SIM_TOKEN_ID = 1
 SIM_EOS_TOKEN_ID = 0
 _STEP_DONE, _CANCEL, _AUTOSCALE = 0, 1, 2
-# Decode run lengths planned: a run ended early (the next arrival at its
-# replica) wastes the planning of its remaining steps, so each replica plans
-# about 1.5x the steps its last run used, within these bounds.
+# Decode run lengths: a run ended early (the next arrival at its replica)
+# wastes the planning of its remaining steps, one ended by its length costs
+# a new plan of the whole batch (far more than a step). Each replica plans
+# about three times the mean of the steps its runs used (a moving average:
+# the gaps between arrivals vary too much to follow the last one) and times
+# them (a cost-model call per step) a stretch of about three quarters of
+# that mean at a time, within these bounds.
 MIN_RUN_STEPS, MAX_RUN_STEPS = 8, 512
+RUN_LENGTH_DECAY = 0.8
 
 
 class VirtualClock:
@@ -159,6 +168,7 @@ class Replica:
         if self.admission is not None and self.trace is not None:
             self.admission = _Recorded(self.admission, clock, self.trace)
         self.in_flight: SchedulerOutput | None = None
+        self.in_flight_shape: StepShape | None = None  # chunk_shape of in_flight
         self.step_started_s = 0.0
         self.run: DecodeRun | None = None  # while a decode run is in flight
         self.run_started_s = 0.0
@@ -166,6 +176,11 @@ class Replica:
         self.run_next_update = 0  # steps of the run updated so far
         self.run_last_step = 0  # the run ends after updating this step
         self.run_steps_planned = MIN_RUN_STEPS
+        self.run_steps_timed = MIN_RUN_STEPS  # steps of a run timed at once
+        # Decayed sums of the steps runs used and of the runs an event ended
+        # (the rest ran out of steps: their gap to the next event was longer).
+        self.run_steps_used = float(MIN_RUN_STEPS)
+        self.runs_ended_by_events = 1.0
         # Bumped per step event pushed, so the event of a run ended early is ignored.
         self.step_event_id = 0
         self.started_ids: set[str] = set()
@@ -194,7 +209,7 @@ class Replica:
     def _last_step_before(self, now_s: float) -> int:
         """The last step of the run that ended before `now_s`, never the run's
         last (its own event applies it); -1 when none."""
-        return bisect.bisect_left(self.run_end_times, now_s, hi=self.run_last_step) - 1
+        return bisect.bisect_left(self.run_end_times, now_s, hi=min(self.run_last_step, len(self.run_end_times))) - 1
 
     def stats(self) -> dict:
         s = self.scheduler.stats()
@@ -241,8 +256,17 @@ class SimResult:
     traces: list[list[tuple]] | None = None
 
 
-def _next_run_length(steps_used: int) -> int:
-    return max(MIN_RUN_STEPS, min(MAX_RUN_STEPS, steps_used + steps_used // 2 + 4))
+def _plan_next_run(replica: Replica, steps_used: int, ended_by_event: bool) -> None:
+    """A run used `steps_used` steps, cut by an event (an arrival, a cancel)
+    or not: choose the lengths for the next one from the mean steps between
+    events, the steps used per run ended by one (the estimate of an
+    exponential mean from samples of which some are cut short: each run
+    that ran out of steps adds its steps but no end)."""
+    replica.run_steps_used = RUN_LENGTH_DECAY * replica.run_steps_used + steps_used
+    replica.runs_ended_by_events = RUN_LENGTH_DECAY * replica.runs_ended_by_events + ended_by_event
+    mean_steps = replica.run_steps_used / max(replica.runs_ended_by_events, 1e-3)
+    replica.run_steps_planned = max(MIN_RUN_STEPS, min(MAX_RUN_STEPS, int(3 * mean_steps) + 8))
+    replica.run_steps_timed = max(MIN_RUN_STEPS, min(MAX_RUN_STEPS, int(0.75 * mean_steps) + 4))
 
 
 def synth_prompt(spec: RequestSpec) -> list[int]:
@@ -275,6 +299,11 @@ class Simulator:
         self._records: list[RequestRecord] = []
         self._rejections_since_check = 0
         self._warm_left = config.autoscale.warm_pool if config.autoscale else 0
+        # Built once per distinct value, not per arrival: SamplingParams are
+        # immutable (validated once), and so are namespace strings.
+        self._sampling_params: dict[int, SamplingParams] = {}
+        self._namespaces: dict[str, str] = {}
+        self._all_ready_s = 0.0  # every replica serves from this time on
 
     # -- the loop ----------------------------------------------------------
     def run(self, specs: list[RequestSpec], offsets_s: list[float]) -> SimResult:
@@ -289,8 +318,25 @@ class Simulator:
             raise ValueError("arrival offsets must be non-decreasing")
         if self.config.autoscale is not None and specs:
             self._push(self.config.autoscale.interval_s, _AUTOSCALE, None)
+        # The loop makes no reference cycles (reference counting frees
+        # everything), but allocates millions of objects: the cyclic
+        # collector's passes over the growing live set (records, caches)
+        # would cost time for nothing. Paused while it runs.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
         if self.config.frontend_latency_s:  # the engine sees each request that much later
             offsets_s = [t + self.config.frontend_latency_s for t in offsets_s]
+        try:
+            self._loop(specs, offsets_s)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        return SimResult(sorted(self._records, key=lambda r: r.index), self.clock.now_s,
+                         [r.stats() for r in self.replicas], self.timeline,
+                         sum(r.num_steps for r in self.replicas),
+                         [r.trace for r in self.replicas] if self.config.record_trace else None)
+
+    def _loop(self, specs: list[RequestSpec], offsets_s: list[float]) -> None:
         next_arrival = 0
         while next_arrival < len(specs) or self._events:
             arrival_s = offsets_s[next_arrival] if next_arrival < len(specs) else math.inf
@@ -305,10 +351,6 @@ class Simulator:
                 continue  # a decode run that ended early
             self.clock.advance_to(event_s)
             self._handle(kind, payload, more_arrivals=next_arrival < len(specs))
-        return SimResult(sorted(self._records, key=lambda r: r.index), self.clock.now_s,
-                         [r.stats() for r in self.replicas], self.timeline,
-                         sum(r.num_steps for r in self.replicas),
-                         [r.trace for r in self.replicas] if self.config.record_trace else None)
 
     def _push_step_done(self, replica: Replica, t_s: float) -> None:
         replica.step_event_id += 1
@@ -336,7 +378,7 @@ class Simulator:
         now = self.clock.now_s
         # The router reads every ready replica's load as of now; only the
         # chosen one's decode run needs its steps applied.
-        ready = [r for r in self.replicas if r.ready_s <= now]
+        ready = self.replicas if now >= self._all_ready_s else [r for r in self.replicas if r.ready_s <= now]
         group = spec.prefix_group.group_id if spec.prefix_group else None
         replica = ready[self.router.pick(ready, group)]
         self._catch_up(replica)
@@ -346,7 +388,8 @@ class Simulator:
         # The prompt's block hashes, computed once: the admission's prefix-hit
         # estimate reads them and the request keeps them for the KV cache.
         kv_cache = replica.scheduler.kv_cache
-        block_hashes = hash_prefix_blocks(prompt[:-1], kv_cache.block_size, self._namespace(spec)) \
+        namespace = self._namespace(spec)
+        block_hashes = hash_prefix_blocks(prompt[:-1], kv_cache.block_size, namespace) \
             if kv_cache.enable_prefix_caching else []
         max_tokens = spec.output_tokens
         if replica.admission is not None:
@@ -354,9 +397,12 @@ class Simulator:
             if admitted_tokens is None:
                 return
             max_tokens = admitted_tokens
-        request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                          arrival_time=now, eos_token_ids=(SIM_EOS_TOKEN_ID,), priority=spec.priority,
-                          tenant=spec.tenant, cache_namespace=self._namespace(spec), block_hashes=block_hashes)
+        params = self._sampling_params.get(max_tokens)
+        if params is None:
+            params = self._sampling_params[max_tokens] = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        request = Request(rid, prompt, params, arrival_time=now, eos_token_ids=(SIM_EOS_TOKEN_ID,),
+                          priority=spec.priority, tenant=spec.tenant, cache_namespace=namespace,
+                          block_hashes=block_hashes)
         self._end_run_after_in_flight(replica)
         try:
             replica.scheduler.add_request(request)
@@ -375,7 +421,10 @@ class Simulator:
 
     def _namespace(self, spec: RequestSpec) -> str:
         # As the server does: tenants never share cached KV.
-        return f"{self.config.cache_namespace}:{spec.tenant}"
+        namespace = self._namespaces.get(spec.tenant)
+        if namespace is None:
+            namespace = self._namespaces[spec.tenant] = f"{self.config.cache_namespace}:{spec.tenant}"
+        return namespace
 
     def _admit(self, replica: Replica, spec: RequestSpec, rid: str, prompt: list[int],
                block_hashes: list[bytes]) -> int | None:
@@ -426,8 +475,9 @@ class Simulator:
                 if rid not in replica.started_ids:
                     replica.started_ids.add(rid)
                     replica.admission.on_start(rid)
-        step_s = self.cost_model.step_time_s(chunk_shape(out.chunks))
-        replica.in_flight = out
+        shape = chunk_shape(out.chunks)
+        step_s = self.cost_model.step_time_s(shape)
+        replica.in_flight, replica.in_flight_shape = out, shape
         replica.step_started_s = now
         self._push_step_done(replica, now + step_s)
 
@@ -441,7 +491,10 @@ class Simulator:
         replica.num_steps += 1
         replica.busy_s += step_s
         if replica.admission is not None:
-            replica.admission.observe_step(out.num_decode_seqs, out.num_prefill_tokens, step_s)
+            # The step's decode sequences and prefill tokens, by the one
+            # rule (ScheduledChunk.is_decode) chunk_shape counts them with.
+            shape = replica.in_flight_shape
+            replica.admission.observe_step(shape.num_decode_seqs, shape.num_prefill_tokens, step_s)
         for request in progressed:
             if request.is_finished:
                 self._end(request.request_id, "success", 200, None)
@@ -459,7 +512,7 @@ class Simulator:
         run = scheduler.plan_decode_run(replica.run_steps_planned, SIM_TOKEN_ID)
         if run is None or run.num_steps < 2:
             return False
-        end_times = decode_step_ends_s(self.cost_model, replica.clock.now_s, run.shapes)
+        end_times = decode_step_ends_s(self.cost_model, replica.clock.now_s, run.step_shapes(0, replica.run_steps_timed))
         replica.run, replica.run_end_times, replica.run_next_update = run, end_times, 0
         replica.run_last_step = run.num_steps - 1
         replica.run_started_s = replica.clock.now_s
@@ -498,7 +551,7 @@ class Simulator:
             replica.num_steps += 1
             replica.busy_s += step_s
             if admission is not None:
-                admission.observe_step(run.shapes[step][0], 0, step_s)
+                admission.observe_step(run.num_seqs[step], 0, step_s)
             for request in finished:
                 self._end(request.request_id, "success", 200, None)
             if step < replica.run_last_step:
@@ -506,29 +559,23 @@ class Simulator:
 
     def _apply_run_steps(self, replica: Replica, last: int) -> None:
         """_update_run_steps without a trace: the run applies its steps with
-        events in one call; per step only the step accounting and the
-        admission controller's step measurement remain, and each finish is
-        reported at its step's end as a single step would."""
+        events in one call, the step accounting and the admission
+        controller's step measurements take the stretch's step times at
+        once (the same sums, in step order), and each finish is reported at
+        its step's end as a single step would."""
         run, end_times, admission = replica.run, replica.run_end_times, replica.admission
         first = replica.run_next_update
         finished = run.apply_steps(last, end_times, replica.run_last_step)
         replica.run_next_update = last + 1
-        next_finish = 0
-        started_s = end_times[first - 1] if first else replica.run_started_s
-        busy_s, shapes = replica.busy_s, run.shapes
-        for step in range(first, last + 1):
-            now = end_times[step]
-            step_s = now - started_s
-            started_s = now
-            busy_s += step_s
-            if admission is not None:
-                admission.observe_step(shapes[step][0], 0, step_s)
-            while next_finish < len(finished) and finished[next_finish][0] == step:
-                replica.clock.advance_to(now)
-                self._end(finished[next_finish][1].request_id, "success", 200, None)
-                next_finish += 1
-        replica.busy_s = busy_s
+        starts = end_times[first - 1:last] if first else [replica.run_started_s, *end_times[:last]]
+        steps_s = list(map(operator.sub, end_times[first:last + 1], starts))
+        replica.busy_s = functools.reduce(operator.add, steps_s, replica.busy_s)
         replica.num_steps += last + 1 - first
+        if admission is not None:
+            admission.observe_steps(zip(run.num_seqs[first:last + 1], itertools.repeat(0), steps_s))
+        for step, request in finished:
+            replica.clock.advance_to(end_times[step])
+            self._end(request.request_id, "success", 200, None)
         replica.clock.advance_to(end_times[last])
 
     def _catch_up(self, replica: Replica) -> None:
@@ -546,7 +593,7 @@ class Simulator:
         if replica.run is None or replica.run_last_step == replica.run_next_update:
             return
         step = replica.run_last_step = replica.run_next_update
-        replica.run_steps_planned = _next_run_length(step + 1)
+        _plan_next_run(replica, step + 1, True)
         self._push_step_done(replica, replica.run_end_times[step])
 
     def _end_run_early(self, replica: Replica) -> None:
@@ -555,18 +602,111 @@ class Simulator:
         if replica.run is None:
             return
         step = replica.run_next_update
-        replica.run_steps_planned = _next_run_length(step + 1)
-        replica.in_flight = replica.run.in_flight_output(step)
+        out = replica.run.in_flight_output(step)
+        if replica.in_flight is None:
+            _plan_next_run(replica, step + 1, True)
+        else:  # a joined step (_join_waiting): the started requests' chunks follow the decodes
+            out.chunks += replica.in_flight.chunks
+            out.num_batched_tokens += replica.in_flight.num_batched_tokens
+        replica.in_flight = out
+        replica.in_flight_shape = chunk_shape(out.chunks)
         replica.step_started_s = replica.run_end_times[step - 1] if step else replica.run_started_s
         replica.run = None
         self._push_step_done(replica, replica.run_end_times[step])
 
     def _finish_run(self, replica: Replica) -> None:
+        if replica.in_flight is not None:
+            self._finish_joined_step(replica)
+            return
+        if replica.run_last_step >= len(replica.run_end_times):
+            self._time_more_run_steps(replica)
+            return
         if replica.run_last_step == replica.run.num_steps - 1:
-            replica.run_steps_planned = _next_run_length(replica.run.num_steps)
+            _plan_next_run(replica, replica.run.num_steps, False)
         if replica.run_next_update <= replica.run_last_step:
             self._update_run_steps(replica, replica.run_last_step)
+        if self._join_waiting(replica):
+            return
         replica.run.close()
+        replica.run = None
+        self._start_step(replica)
+
+    def _time_more_run_steps(self, replica: Replica) -> None:
+        """The end of the last step whose end time is known, inside the run:
+        the next stretch of end times. A run's steps are timed a stretch at
+        a time (a cost-model call per step), as most runs end early, at the
+        next arrival. The end times are those of timing all steps at once
+        (each adds its step time to the previous end)."""
+        known, end_times = len(replica.run_end_times), replica.run_end_times
+        end_times += decode_step_ends_s(self.cost_model, end_times[-1],
+                                        replica.run.step_shapes(known, known + replica.run_steps_timed))
+        self._push_step_done(replica, end_times[-1])
+
+    def _join_waiting(self, replica: Replica) -> bool:
+        """After a run step that requests arrived during: the next step is
+        the ordinary step that starts them beside the decodes (schedule()
+        gives every decode its token first), run as one more step of the
+        run with the started requests' chunks beside it, so that the
+        decodes need no schedule() / update() of their own. What single
+        steps do at that step's start happens here too (expiry, step
+        limits, on_start). False, with no change but those, when the step
+        is not one the run can take: untraced runs only (a trace logs the
+        single steps), the step must lie inside the run, someone must be
+        waiting, and the token budget must hold every decode."""
+        run, step, scheduler = replica.run, replica.run_last_step + 1, replica.scheduler
+        if replica.trace is not None or step >= run.num_steps or not len(scheduler.waiting):
+            return False
+        now = replica.clock.now_s
+        if replica.admission is not None:
+            self._expire(replica)
+            scheduler.set_step_limits(*replica.admission.step_limits(len(scheduler.running)))
+        out = run.schedule_step_with_waiting(step)
+        if out is None:
+            return False
+        if replica.admission is not None:
+            for chunk in out.chunks:
+                rid = chunk.request.request_id
+                if rid not in replica.started_ids:
+                    replica.started_ids.add(rid)
+                    replica.admission.on_start(rid)
+        # chunk_shape of the whole step: the run's decodes (each reads its
+        # context + 1 tokens and, computing one query, attends as many
+        # pairs) beside the started requests' chunks.
+        (num_seqs, kv_tokens), = run.step_shapes(step, step + 1)
+        started = chunk_shape(out.chunks)
+        shape = StepShape(started.num_prefill_tokens, started.num_decode_seqs + num_seqs,
+                          started.kv_tokens_read + kv_tokens, started.attention_pairs + kv_tokens)
+        end_s = now + self.cost_model.step_time_s(shape)
+        replica.in_flight, replica.in_flight_shape = out, shape
+        replica.step_started_s = now
+        replica.run_last_step = step
+        del replica.run_end_times[step:]
+        replica.run_end_times.append(end_s)
+        self._push_step_done(replica, end_s)
+        return True
+
+    def _finish_joined_step(self, replica: Replica) -> None:
+        """The end of a step _join_waiting started: what _finish_step does
+        for it, the decodes' part applied by the run."""
+        run, step, out, shape = replica.run, replica.run_last_step, replica.in_flight, replica.in_flight_shape
+        now = replica.run_end_times[step]
+        finished = run.apply_steps(step, replica.run_end_times, step)  # the decodes' updates first
+        replica.run_next_update = step + 1
+        replica.clock.advance_to(now)
+        progressed = replica.scheduler.update(out, {c.request.request_id: SIM_TOKEN_ID
+                                                    for c in out.chunks if c.samples})
+        step_s = now - replica.step_started_s
+        replica.num_steps += 1
+        replica.busy_s += step_s
+        if replica.admission is not None:
+            replica.admission.observe_step(shape.num_decode_seqs, shape.num_prefill_tokens, step_s)
+        for _, request in finished:
+            self._end(request.request_id, "success", 200, None)
+        for request in progressed:
+            if request.is_finished:
+                self._end(request.request_id, "success", 200, None)
+        replica.in_flight = None
+        run.close()
         replica.run = None
         self._start_step(replica)
 
@@ -641,6 +781,7 @@ class Simulator:
                 delay_s = rule.warm_start_s
             self.replicas.append(Replica(len(self.replicas), self.config, VirtualClock(now), now + delay_s,
                                          self.clock))
+            self._all_ready_s = max(self._all_ready_s, now + delay_s)
             self.timeline.append((now, len(self.replicas)))
         if more_arrivals or self._live:
             self._push(now + rule.interval_s, _AUTOSCALE, None)

@@ -469,17 +469,23 @@ class Simulator:
             replica.trace.append(("schedule", now, (sched.max_running, sched.max_batched_tokens),
                                   [(c.request.request_id, c.start, c.num_new_tokens, c.samples)
                                    for c in out.chunks], list(out.preempted_ids)))
-        if replica.admission is not None:
-            for chunk in out.chunks:
-                rid = chunk.request.request_id
-                if rid not in replica.started_ids:
-                    replica.started_ids.add(rid)
-                    replica.admission.on_start(rid)
+        self._report_started(replica, out.chunks)
         shape = chunk_shape(out.chunks)
         step_s = self.cost_model.step_time_s(shape)
         replica.in_flight, replica.in_flight_shape = out, shape
         replica.step_started_s = now
         self._push_step_done(replica, now + step_s)
+
+    @staticmethod
+    def _report_started(replica: Replica, chunks) -> None:
+        """Tell admission which requests a step scheduled for the first time."""
+        if replica.admission is None:
+            return
+        for chunk in chunks:
+            rid = chunk.request.request_id
+            if rid not in replica.started_ids:
+                replica.started_ids.add(rid)
+                replica.admission.on_start(rid)
 
     def _finish_step(self, replica: Replica) -> None:
         now = replica.clock.now_s
@@ -663,12 +669,7 @@ class Simulator:
         out = run.schedule_step_with_waiting(step)
         if out is None:
             return False
-        if replica.admission is not None:
-            for chunk in out.chunks:
-                rid = chunk.request.request_id
-                if rid not in replica.started_ids:
-                    replica.started_ids.add(rid)
-                    replica.admission.on_start(rid)
+        self._report_started(replica, out.chunks)
         # chunk_shape of the whole step: the run's decodes (each reads its
         # context + 1 tokens and, computing one query, attends as many
         # pairs) beside the started requests' chunks.

@@ -191,7 +191,9 @@ def test_degradation_caps_max_tokens_and_says_so():
     with live_server(tiny_core(num_blocks=128, max_num_seqs=4), degrade_wait_s=0.0, degrade_max_tokens=5,
                      max_queue_wait_s=100) as srv:
         warmup = run_clients(srv.base_url, lambda c: [stream_one(c, body(max_tokens=10)) for _ in range(8)])
-        assert all("x-kvserve-degraded" not in o.headers for o in warmup[:4])
+        # The four that take the free running slots are not degraded; which
+        # four depends on the clients' arrival order, not their index.
+        assert sum("x-kvserve-degraded" not in o.headers for o in warmup) >= 4
         outs = run_clients(srv.base_url, lambda c: [stream_one(c, body(max_tokens=30)) for _ in range(20)])
         degraded = [o for o in outs if "x-kvserve-degraded" in o.headers]
         assert degraded, "some requests should wait and be degraded"

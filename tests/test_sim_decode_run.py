@@ -241,3 +241,69 @@ def test_a_run_step_starts_nobody_when_the_running_cap_is_reached():
     run.close()
     assert _state(multi) == _state(single)
     assert [r.request_id for r in multi.waiting] == ["new"]
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_run_extended_with_the_requests_it_started_goes_on_as_single_steps(seed, prefix_caching):
+    # Steps of a run, an arrival started beside step 3, then the run goes on
+    # with the newcomer (extend) instead of a new plan: the same state,
+    # finishes and batches as single steps all along, also where the
+    # newcomer's blocks make the run stop early (a small cache).
+    num_blocks = 400 if seed % 2 else 80
+    single, single_clock = _steady_batch(seed, num_blocks=num_blocks, prefix_caching=prefix_caching)
+    multi, multi_clock = _steady_batch(seed, num_blocks=num_blocks, prefix_caching=prefix_caching)
+    batch = list(single._requests.values())
+    run = multi.plan_decode_run(40, NON_EOS)
+    assert run is not None and run.num_steps >= 6
+    for i in range(3):
+        run.schedule_step(i)
+        multi_clock.now += 0.01
+        run.update_step(i, multi_clock.now)
+        step(single, single_clock, NON_EOS)
+    # The least urgent class, arriving last: it joins at the end of the order.
+    arrival = make_request("new", num_prompt=9, max_tokens=30, priority=1, arrival=1.0, first_token=900,
+                           ignore_eos=True)
+    single.add_request(arrival)
+    multi.add_request(make_request("new", num_prompt=9, max_tokens=30, priority=1, arrival=1.0, first_token=900,
+                                   ignore_eos=True))
+    started = run.schedule_step_with_waiting(3)
+    multi_clock.now += 0.01
+    run.update_step(3, multi_clock.now)
+    multi.update(started, {c.request.request_id: NON_EOS for c in started.chunks if c.samples})
+    step(single, single_clock, NON_EOS)
+    if not started.chunks:  # no room to start it: it waits, and nothing extends
+        assert not run.extend(4)
+        return
+    assert run.extend(4)
+    assert [r.request_id for r, _ in run.batch_at(4)] == \
+        [r.request_id for r in sorted(single.running.values(), key=lambda r: (r.priority, r.arrival_time))]
+    end_times = [multi_clock.now + 0.01 * (i - 3) for i in range(run.num_steps)]
+    run.schedule_step(4)
+    finished = run.apply_steps(run.num_steps - 1, end_times, run.num_steps - 1)
+    run.close()
+    single_finished = []
+    for i in range(4, run.num_steps):
+        single_clock.now = end_times[i]
+        out = step(single, None, NON_EOS)
+        assert [(c.request.request_id, c.start) for c in out.chunks] == \
+            [(r.request_id, start) for r, start in run.batch_at(i)]
+        single_finished += [(i, c.request.request_id) for c in out.chunks if c.request.is_finished]
+    assert _state(multi) == _state(single)
+    assert [(i, r.request_id) for i, r in finished] == single_finished
+    assert _finished(run.requests) == _finished(batch + [arrival])
+
+
+def test_a_run_is_not_extended_with_a_more_urgent_newcomer():
+    multi, multi_clock = _steady_batch(2)
+    run = multi.plan_decode_run(40, NON_EOS)
+    urgent = make_request("new", num_prompt=4, max_tokens=30, priority=-1, arrival=1.0, first_token=900,
+                          ignore_eos=True)
+    multi.add_request(urgent)
+    started = run.schedule_step_with_waiting(0)
+    multi_clock.now += 0.01
+    run.update_step(0, multi_clock.now)
+    multi.update(started, {c.request.request_id: NON_EOS for c in started.chunks if c.samples})
+    before = (len(run.requests), run.num_steps, list(run.num_seqs))
+    assert not run.extend(1)  # it would run first, not last
+    assert (len(run.requests), run.num_steps, list(run.num_seqs)) == before

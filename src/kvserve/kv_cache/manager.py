@@ -130,7 +130,8 @@ class KVCacheManager:
             self.prefix_cache_hits += computed.num_tokens
         held.extend(computed.blocks)
         held.extend(new_blocks)
-        self._block_ids[request.request_id].extend(b.block_id for b in (*computed.blocks, *new_blocks))
+        self._block_ids[request.request_id].extend([b.block_id for b in computed.blocks] +
+                                                   [b.block_id for b in new_blocks])
         return new_blocks
 
     def _extend(self, request_id: str, held: list[KVBlock], num_tokens_after: int) -> list[KVBlock] | None:
@@ -174,8 +175,11 @@ class KVCacheManager:
             return
         hashes = request.block_hashes
         if len(hashes) < num_full:
-            hashes = self._request_hashes(request, num_full, pending_token_id)
-        self.pool.cache_blocks(self._blocks[rid][start:num_full], hashes[start:num_full])
+            self._request_hashes(request, num_full, pending_token_id)
+        if num_full == start + 1:  # one block (a decode step completing it): most calls
+            self.pool.cache_block(self._blocks[rid][start], hashes[start])
+        else:
+            self.pool.cache_blocks(self._blocks[rid][start:num_full], hashes[start:num_full])
         self._num_cached_blocks[rid] = num_full
 
     def free(self, request: Request) -> None:
@@ -198,14 +202,16 @@ class KVCacheManager:
             return hashes
         size = self.block_size
         parent = hashes[-1] if hashes else namespace_root(request.cache_namespace)
-        for start in range(len(hashes) * size, num_blocks * size, size):
-            tokens = request.token_ids_slice(start, start + size)  # short past the request's tokens
-            if len(tokens) == size or pending_token_id is None:
-                parent = hash_block(parent, tokens)
-            elif tokens:
-                parent = hash_block(parent, tokens + [pending_token_id] * (size - len(tokens)))
-            else:
+        end = num_blocks * size
+        num_known = end if pending_token_id is None else request.num_tokens
+        for start in range(len(hashes) * size, end, size):
+            if start >= num_known:  # every token pending: a decode run's block
                 parent = hash_encoded_block(parent, encoded_repeat(pending_token_id, size))
+            else:
+                tokens = request.token_ids_slice(start, start + size)
+                if start + size > num_known:
+                    tokens += [pending_token_id] * (start + size - num_known)
+                parent = hash_block(parent, tokens)
             hashes.append(parent)
         return hashes
 

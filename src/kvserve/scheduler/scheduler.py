@@ -382,6 +382,12 @@ class DecodeRun:
     registered without it, since the block's tokens past the request's
     known ones are all the run's token.
 
+    Requests that arrive end the batch's steadiness, not the run: the step
+    after their arrival can start them beside the run's decodes
+    (`schedule_step_with_waiting`, then the ordinary update() for their
+    chunks), and once they decode `extend` takes them into the run, which
+    goes on without a new plan of the whole batch.
+
     The events are one sorted list of integer keys, built from ranges (no
     Python loop per event while planning): with N requests, request i's
     allocation for step s is key (2s - 1) * N + i, its update at step s (a
@@ -402,50 +408,57 @@ class DecodeRun:
         # Per request: the step that ends it (may lie past the run).
         self._last_step = [scheduler._steps_until_stop(r, token_id) - 1 for r in batch]
         self._events: list[int] = []  # ascending keys (see the class docstring)
-        self.num_steps = self._plan(max_steps)
+        self._n = len(batch)  # the N of the keys
+        # Blocks each request finishing inside the run surely frees: only its
+        # blocks from this run are surely its alone (shared prefix blocks
+        # may stay held), a lower bound.
+        self._freed = [0] * len(batch)
+        self._num_allocations = 0  # allocation events planned (at least those left)
+        max_steps = min(max_steps, max(self._last_step) + 1)  # no step after the batch is done
+        self._add_events(range(len(batch)), 0, max_steps)
+        self._events.sort()
+        self.num_steps = self._steps_that_fit(max_steps)
         self._finish_steps = sorted(last for last in self._last_step if last < self.num_steps)
         # Per step: decoding sequences (step_shapes adds the KV tokens read).
         self.num_seqs: list[int] = []
         self._stretches: list[tuple[int, int, int, int]] = []  # (first, last step, sequences, context)
-        self._describe_steps()
+        self._describe_steps(0)
 
-    def _plan(self, max_steps: int) -> int:
-        """Collect the steps' events; return how many steps surely fit the KV
-        cache (stopping before the first step whose new blocks might not fit,
-        so a preemption still happens in an ordinary step)."""
-        last_steps, starts, events = self._last_step, self._start, self._events
-        max_steps = min(max_steps, max(last_steps) + 1)  # no step after the batch is done
-        kv, n = self._kv, len(self.requests)
+    def _add_events(self, indexes: range, first_step: int, max_steps: int) -> None:
+        """Append the events of requests `indexes` from step `first_step` to
+        the run's last (max_steps - 1), unsorted: C-level ranges of keys."""
+        kv, n, events = self._kv, self._n, self._events
         block_size, caching = kv.block_size, kv.enable_prefix_caching
         stride = 2 * n * block_size  # between one request's events block_size steps apart
-        num_allocations = 0
-        # Blocks each request finishing inside the run surely frees: only its
-        # blocks from this run are surely its alone (shared prefix blocks
-        # may stay held), a lower bound.
-        freed = [0] * n
-        for index, request in enumerate(self.requests):
-            computed, last_step = starts[index], last_steps[index]
+        for index in indexes:
+            start, last_step = self._start[index], self._last_step[index]
             last = min(last_step, max_steps - 1)
-            # Step i runs token computed + i: it needs a new block when that
+            # Step i runs position start + i: it needs a new block when that
             # position passes the blocks held, then every block_size steps.
-            first = max(0, kv.num_held_blocks(request.request_id) * block_size - computed)
+            first = max(first_step, kv.num_held_blocks(self.requests[index].request_id) * block_size - start)
             allocations = range((2 * first - 1) * n + index, (2 * last - 1) * n + index + 1, stride)
             events += allocations
-            num_allocations += len(allocations)
+            self._num_allocations += len(allocations)
             last_update = 2 * last * n + index
             completes_last = False
-            if caching:  # step i completes a block when computed + i + 1 is a multiple
-                completions = range(2 * (-(computed + 1) % block_size) * n + index, last_update + 1, stride)
+            if caching:  # step i completes a block when start + i + 1 is a multiple
+                first_completion = first_step + (-(start + first_step + 1)) % block_size
+                completions = range(2 * first_completion * n + index, last_update + 1, stride)
                 events += completions
                 completes_last = bool(completions) and completions[-1] == last_update
             if last_step < max_steps:
                 if not completes_last:
                     events.append(last_update)
-                freed[index] = len(allocations)
-        events.sort()
-        available = kv.num_free_blocks
-        if num_allocations <= available:
+                self._freed[index] = len(allocations)
+
+    def _steps_that_fit(self, max_steps: int) -> int:
+        """How many steps surely fit the KV cache, cutting the events past
+        them: the run stops before the first step whose new blocks might
+        not fit, so a preemption still happens in an ordinary step."""
+        available = self._kv.num_free_blocks
+        if self._num_allocations <= available:
             return max_steps  # frees only add: every step fits
+        events, n, last_steps = self._events, self._n, self._last_step
         for key in events:
             step2, index = divmod(key, n)
             if step2 & 1:  # an allocation for step (step2 + 1) / 2
@@ -455,23 +468,64 @@ class DecodeRun:
                     return num_steps
                 available -= 1
             elif last_steps[index] == step2 >> 1:  # a finish frees its blocks after the step
-                available += freed[index]
+                available += self._freed[index]
         return max_steps
 
-    def _describe_steps(self) -> None:
-        """Fill num_seqs and the stretches of steps with an unchanged batch,
-        from which step_shapes derives each step's KV read."""
+    def _describe_steps(self, first_step: int) -> None:
+        """num_seqs and the stretches of steps with an unchanged batch (from
+        which step_shapes derives each step's KV read), from `first_step`."""
         num_steps = self.num_steps
-        active, context = len(self.requests), sum(self._start)
-        ending = sorted((last, start) for last, start in zip(self._last_step, self._start) if last < num_steps)
-        first = 0  # the first step not yet described
+        active = [(last, start) for last, start in zip(self._last_step, self._start) if last >= first_step]
+        num_active, context = len(active), sum(start for _, start in active)
+        ending = sorted(pair for pair in active if pair[0] < num_steps)
+        del self.num_seqs[first_step:]
+        self._stretches = []
+        first = first_step  # the first step not yet described
         for last, start in ending + [(num_steps - 1, 0)]:
-            if last >= first:  # steps first..last run `active` sequences
-                self.num_seqs += [active] * (last + 1 - first)
-                self._stretches.append((first, last, active, context))
+            if last >= first:  # steps first..last run `num_active` sequences
+                self.num_seqs += [num_active] * (last + 1 - first)
+                self._stretches.append((first, last, num_active, context))
                 first = last + 1
-            active -= 1
+            num_active -= 1
             context -= start
+
+    def extend(self, step: int) -> bool:
+        """Continue the run at step `step` (the steps before it updated) with
+        the running batch, as plan_decode_run would plan it at that step,
+        keeping the events planned for the run's own requests: requests
+        started beside the step before (schedule_step_with_waiting) that
+        now decode join the run. Their events stop at the run's last step;
+        the run may end sooner, before a step whose blocks might not fit.
+        False, with no change, when plan_decode_run would not plan the
+        batch, or the newcomers are not the least urgent (they join at the
+        end of the run's order)."""
+        scheduler = self._scheduler
+        if step >= self.num_steps or len(scheduler.waiting) or \
+                len(scheduler.running) > scheduler.max_batched_tokens:
+            return False
+        batch = sorted(scheduler.running.values(), key=_urgency)
+        staying = [r for r, last in zip(self.requests, self._last_step) if last >= step]
+        new = batch[len(staying):]
+        if batch[:len(staying)] != staying or any(
+                len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens != 1 for r in new):
+            return False
+        events, n = self._events, self._n
+        del events[:bisect.bisect_left(events, (2 * step - 1) * n)]  # applied already
+        if new:  # N grows: each key q * N + i becomes q * (N + len(new)) + i
+            events[:] = [key + (key // n) * len(new) for key in events]
+            self._n = n + len(new)
+        first_new = len(self.requests)
+        self.requests += new
+        self._start += [r.num_computed_tokens - step for r in new]  # position at step s = start + s
+        self._synced += [step] * len(new)  # up to date: update() ran their last step
+        self._last_step += [step + scheduler._steps_until_stop(r, self._token_id) - 1 for r in new]
+        self._freed += [0] * len(new)
+        self._add_events(range(first_new, len(self.requests)), step, self.num_steps)
+        events.sort()
+        self.num_steps = self._steps_that_fit(self.num_steps)
+        self._finish_steps = sorted(last for last in self._last_step if step <= last < self.num_steps)
+        self._describe_steps(step)
+        return True
 
     def step_shapes(self, first: int, stop: int) -> list[tuple[int, int]]:
         """(decoding sequences, KV tokens read) of steps first..stop - 1 (up
@@ -485,7 +539,8 @@ class DecodeRun:
         while first < stop and index < len(stretches):
             _, stretch_last, active, context = stretches[index]
             end = min(stop, stretch_last + 1)
-            shapes += zip([active] * (end - first), range(context + active * (first + 1), context + active * end + 1, active))
+            shapes += zip([active] * (end - first),
+                          range(context + active * (first + 1), context + active * end + 1, active))
             first, index = end, index + 1
         return shapes
 
@@ -501,7 +556,7 @@ class DecodeRun:
 
     def schedule_step(self, step: int) -> None:
         """Allocate the blocks step `step` needs (what schedule() does for it)."""
-        events, n = self._events, len(self.requests)
+        events, n = self._events, self._n
         base = (2 * step - 1) * n
         for position in range(bisect.bisect_left(events, base), bisect.bisect_left(events, base + n)):
             self._allocate(events[position] - base, step)
@@ -532,7 +587,7 @@ class DecodeRun:
         if len(self.end_times) != step:
             raise ValueError(f"update_step({step}) after {len(self.end_times)} updated steps")
         self.end_times.append(now)
-        events, n = self._events, len(self.requests)
+        events, n = self._events, self._n
         base = 2 * step * n
         finished = []
         for position in range(bisect.bisect_left(events, base), bisect.bisect_left(events, base + n)):
@@ -552,7 +607,7 @@ class DecodeRun:
         if last < first:
             return []
         self.end_times.extend(end_times[first:last + 1])
-        events, n = self._events, len(self.requests)
+        events, n = self._events, self._n
         # Step first's allocations are done; the next step's only if scheduled.
         lo = bisect.bisect_left(events, 2 * first * n)
         hi = bisect.bisect_left(events, (2 * last + (2 if last < last_scheduled else 1)) * n, lo)

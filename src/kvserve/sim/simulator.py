@@ -20,11 +20,16 @@ replica applies them lazily, each at the time it would have run, whenever
 the simulation next changes or inspects that replica (an arrival routed to
 it, a cancel, an autoscale check, the run's end); the router's load read
 counts the run's finishes before now without applying its steps. A
-request added to the replica ends the run after its in-flight step; a
-cancel ends it at once, handing the in-flight step to the ordinary
-update(). Each replica reads its own clock, so a step applied late still
-sees its own time. Timestamps, outcomes, preemptions and admission
-decisions are those of single steps (tests/test_sim_fast_forward.py).
+request added to the replica cuts the run after its in-flight step; the
+step after starts it beside the run's decodes as one more step of the run
+(its chunk through the ordinary update()), and the run then goes on with
+it when the batch is steady again, else ends. A cancel ends the run at
+once, handing the in-flight step to the ordinary update(). Step end times
+are computed a stretch at a time, as most runs are cut early. Each replica
+reads its own clock, so a step applied late still sees its own time.
+Timestamps, outcomes, preemptions and admission decisions are those of
+single steps (tests/test_sim_fast_forward.py). The cyclic garbage
+collector is paused while the simulation runs (it makes no cycles).
 
 Sampled tokens are a fixed non-EOS id and requests run with ignore_eos and
 max_tokens = the workload's output length, so output lengths follow the
@@ -174,6 +179,7 @@ class Replica:
         self.run_started_s = 0.0
         self.run_end_times: list[float] = []
         self.run_next_update = 0  # steps of the run updated so far
+        self.run_first_step = 0  # where the run last started or took in new requests
         self.run_last_step = 0  # the run ends after updating this step
         self.run_steps_planned = MIN_RUN_STEPS
         self.run_steps_timed = MIN_RUN_STEPS  # steps of a run timed at once
@@ -514,17 +520,39 @@ class Simulator:
         request is unstarted (expired() stays empty), and step_limits gives
         every running request its decode token (the budget only grows as
         the batch shrinks), so the steps skip neither call's effect."""
+        if replica.run is not None and self._continue_run(replica):
+            return True
         scheduler = replica.scheduler
         run = scheduler.plan_decode_run(replica.run_steps_planned, SIM_TOKEN_ID)
         if run is None or run.num_steps < 2:
             return False
-        end_times = decode_step_ends_s(self.cost_model, replica.clock.now_s, run.step_shapes(0, replica.run_steps_timed))
+        end_times = decode_step_ends_s(self.cost_model, replica.clock.now_s,
+                                       run.step_shapes(0, replica.run_steps_timed))
         replica.run, replica.run_end_times, replica.run_next_update = run, end_times, 0
-        replica.run_last_step = run.num_steps - 1
+        replica.run_last_step, replica.run_first_step = run.num_steps - 1, 0
         replica.run_started_s = replica.clock.now_s
         self._schedule_run_step(replica, 0)
         self._push_step_done(replica, end_times[-1])
         return True
+
+    def _continue_run(self, replica: Replica) -> bool:
+        """After a joined step (_finish_joined_step): the run goes on with the
+        requests it started (DecodeRun.extend), instead of a new plan of the
+        whole batch, when the batch is steady and at least two planned steps
+        are left. Otherwise the run closes (False)."""
+        run, step = replica.run, replica.run_next_update
+        if run.extend(step) and run.num_steps - step >= 2:
+            end_times = replica.run_end_times
+            del end_times[step:]
+            end_times += decode_step_ends_s(self.cost_model, end_times[-1],
+                                            run.step_shapes(step, step + replica.run_steps_timed))
+            replica.run_last_step, replica.run_first_step = run.num_steps - 1, step
+            self._schedule_run_step(replica, step)
+            self._push_step_done(replica, end_times[-1])
+            return True
+        run.close()
+        replica.run = None
+        return False
 
     def _schedule_run_step(self, replica: Replica, step: int) -> None:
         replica.run.schedule_step(step)
@@ -599,7 +627,7 @@ class Simulator:
         if replica.run is None or replica.run_last_step == replica.run_next_update:
             return
         step = replica.run_last_step = replica.run_next_update
-        _plan_next_run(replica, step + 1, True)
+        _plan_next_run(replica, step + 1 - replica.run_first_step, True)
         self._push_step_done(replica, replica.run_end_times[step])
 
     def _end_run_early(self, replica: Replica) -> None:
@@ -610,7 +638,7 @@ class Simulator:
         step = replica.run_next_update
         out = replica.run.in_flight_output(step)
         if replica.in_flight is None:
-            _plan_next_run(replica, step + 1, True)
+            _plan_next_run(replica, step + 1 - replica.run_first_step, True)
         else:  # a joined step (_join_waiting): the started requests' chunks follow the decodes
             out.chunks += replica.in_flight.chunks
             out.num_batched_tokens += replica.in_flight.num_batched_tokens
@@ -628,7 +656,7 @@ class Simulator:
             self._time_more_run_steps(replica)
             return
         if replica.run_last_step == replica.run.num_steps - 1:
-            _plan_next_run(replica, replica.run.num_steps, False)
+            _plan_next_run(replica, replica.run.num_steps - replica.run_first_step, False)
         if replica.run_next_update <= replica.run_last_step:
             self._update_run_steps(replica, replica.run_last_step)
         if self._join_waiting(replica):
@@ -707,9 +735,7 @@ class Simulator:
             if request.is_finished:
                 self._end(request.request_id, "success", 200, None)
         replica.in_flight = None
-        run.close()
-        replica.run = None
-        self._start_step(replica)
+        self._start_step(replica)  # continues the run, or closes it (_start_run)
 
     def _expire(self, replica: Replica) -> None:
         """Admitted requests that did not start in time: the server answers 503."""

@@ -141,6 +141,20 @@ def test_fit_with_knots_recovers_a_curve_a_line_cannot():
     assert line_stats["mean_abs_rel_error"] > 0.05
 
 
+def test_a_fit_never_extrapolates_past_its_knots():
+    # Steps larger than the last knot on a falling curve: extending the last
+    # segment would predict less than the model (which never falls past the
+    # last knot) computes. The largest step becomes a knot of its own, so
+    # every prediction of the fit is the model's own step time.
+    times = {1: 0.200, 4: 0.150, 16: 0.100, 32: 0.120}
+    samples = [(StepShape(n, 0, n, n), t) for n, t in times.items()]
+    samples += [(StepShape(0, d, d * 40, d * 40), 0.2 + 0.01 * d) for d in (1, 2, 4)]
+    fitted, stats = fit_linear_cost_model(samples, token_knots=(1, 4))
+    assert fitted.token_knots == (1, 4, 32)
+    errors = [abs(fitted.step_time_s(s) - t) / t for s, t in samples]
+    assert sum(errors) / len(errors) == pytest.approx(stats["mean_abs_rel_error"], rel=1e-9, abs=1e-12)
+
+
 def test_nonnegative_fit_matches_a_brute_force_search():
     # Noisy data whose unconstrained least squares wants a negative slope.
     import itertools

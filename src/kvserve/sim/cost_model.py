@@ -287,6 +287,14 @@ def fit_linear_cost_model(samples: list[tuple[StepShape, float]], source: str = 
     import numpy as np
 
     knots = tuple(sorted(set(token_knots or ())))
+    if knots and samples:
+        # Past the last knot token_curve_s never falls (a floor no linear
+        # fit can express): a step larger than every knot gets a knot of its
+        # own, so the fit never extrapolates and its predictions are the
+        # model's.
+        largest = max(s.num_tokens for s, _ in samples)
+        if largest > knots[-1]:
+            knots += (largest,)
     line_features = LINEAR_FEATURES[2:] if knots else LINEAR_FEATURES
     num_unknowns = len(knots) + len(line_features)
     if len(samples) < num_unknowns:
@@ -324,15 +332,18 @@ def fit_linear_cost_model(samples: list[tuple[StepShape, float]], source: str = 
 def _knot_weights(knots: tuple[int, ...], num_tokens: list[int]):
     """Row i: the weight of each knot's time in curve(num_tokens[i]), i.e.
     `LinearCostModel.token_curve_s` written as a linear map of the knot
-    times (past the last knot, the last segment extended)."""
+    times, for token counts up to the last knot (the fit adds a knot for
+    larger ones)."""
     import numpy as np
 
+    if max(num_tokens, default=0) > knots[-1]:
+        raise ValueError(f"{max(num_tokens)} tokens lie past the last knot {knots[-1]}")
     weights = np.zeros((len(num_tokens), len(knots)))
     for row, n in enumerate(num_tokens):
-        if n <= knots[0] or len(knots) == 1:
-            weights[row, 0 if n <= knots[0] else -1] = 1.0
+        if n <= knots[0]:
+            weights[row, 0] = 1.0
             continue
-        i = min(bisect.bisect_right(knots, n), len(knots) - 1)  # past the end: the last segment
+        i = min(bisect.bisect_right(knots, n), len(knots) - 1)  # n == the last knot: the last segment
         share = (n - knots[i - 1]) / (knots[i] - knots[i - 1])
         weights[row, i - 1] = 1.0 - share
         weights[row, i] = share

@@ -8,7 +8,7 @@ import pytest
 
 from kvserve.bench.report import (SLO, SLO_PRESETS, MetricsSample, RequestRecord, build_report,
                                   format_table, histogram_quantile, parse_slo,
-                                  queue_time_from_server, write_report)
+                                  queue_time_from_server, report_json, write_report)
 
 STAT_KEYS = {"mean", "p50", "p90", "p95", "p99"}
 
@@ -146,6 +146,18 @@ def test_files_written(report, tmp_path):
     html = paths["html"].read_text()
     assert html.count("<svg") >= 4 and "TTFT CDF" in html and "</html>" in html
     assert "ttft" in format_table(report)
+
+
+def test_report_json_reads_back_as_the_report_with_one_line_per_request(report):
+    text = report_json(report)
+    assert json.loads(text) == report
+    lines = text.splitlines()
+    rows = [line for line in lines if line.startswith('  {"index":')]
+    assert len(rows) == len(report["requests"]) == 9
+    assert ' "summary": {' in lines and '  "ttft": {' in lines  # the head stays indented
+    assert json.loads(report_json({**report, "requests": []}))["requests"] == []
+    with pytest.raises(ValueError):  # NaN is not JSON: refused, not written
+        report_json({**report, "requests": [{"ttft_s": float("nan")}]})
 
 
 def test_a_class_holding_every_request_gets_the_runs_summary_without_cost():

@@ -388,9 +388,26 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "html": out / "report.html"}
-    paths["json"].write_text(json.dumps(report, indent=1, allow_nan=False))
+    paths["json"].write_text(report_json(report))
     paths["html"].write_text(render_html(report))
     return paths
+
+
+def report_json(report: dict) -> str:
+    """report.json's text: the summary blocks indented for reading, then one
+    compact line per request. Indenting forces json's pure-Python encoder,
+    which on tens of thousands of requests with a timestamp per token took
+    longer than the simulation itself (70 s for 15k requests, 160 MB); each
+    request line goes through the C encoder instead. json.loads of the text
+    equals the report."""
+    head = {k: v for k, v in report.items() if k != "requests"}
+    text = json.dumps(head, indent=1, allow_nan=False)
+    if "requests" not in report:
+        return text
+    compact = json.JSONEncoder(allow_nan=False, separators=(",", ":")).encode
+    rows = ",\n  ".join(map(compact, report["requests"]))
+    body = f"[\n  {rows}\n ]" if rows else "[]"
+    return f'{text[:-2]},\n "requests": {body}\n}}' if head else f'{{\n "requests": {body}\n}}'
 
 
 # --- console -----------------------------------------------------------------

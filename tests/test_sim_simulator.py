@@ -114,6 +114,26 @@ def test_simulate_cli_writes_the_bench_report_schema(tmp_path, capsys):
     assert "simulated" in capsys.readouterr().out
 
 
+def test_a_long_simulation_keeps_its_summary_exact_and_omits_per_request_rows(tmp_path, monkeypatch):
+    # Past EXACT_EVENTS_MAX_REQUESTS a run keeps first/last token times and
+    # writes no per-request rows (an hour is 180k of them); TTFT, TPOT and
+    # E2E stay those of the exact run.
+    from kvserve.sim import cli as sim_cli
+
+    args = ["simulate", "--preset", "llama-3.1-8b", "--hardware", "h100", "--rate", "10",
+            "--num-requests", "60", "--workload", "chat", "--seed", "4"]
+    assert main(args + ["--out", str(tmp_path / "exact")]) == 0
+    monkeypatch.setattr(sim_cli, "EXACT_EVENTS_MAX_REQUESTS", 50)
+    assert main(args + ["--out", str(tmp_path / "long")]) == 0
+    exact, long = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("exact", "long"))
+    assert len(exact["requests"]) == 60 and long["requests"] == []
+    assert long["config"]["simulation"]["requests_omitted"] == 60
+    assert long["config"]["simulation"]["exact_token_events"] is False
+    for metric in ("ttft", "tpot", "e2e"):
+        assert long["summary"][metric] == exact["summary"][metric]
+    assert long["summary"]["outcomes"] == exact["summary"]["outcomes"]
+
+
 def test_simulate_cli_rejects_bad_input(capsys):
     assert main(["simulate", "--preset", "llama-3.1-70b", "--hardware", "l4"]) == 2
     assert "exceed" in capsys.readouterr().err

@@ -304,10 +304,12 @@ def run_duration_s(records: Sequence[RequestRecord]) -> float:
 def build_report(records: Sequence[RequestRecord], slo: SLO | None = None,
                  duration_s: float | None = None, price_per_hour: float | None = None,
                  metrics_samples: Sequence[MetricsSample] = (), config: dict | None = None,
-                 client_stats: dict | None = None) -> dict:
-    """The report.json dict (schema: docs/bench.md)."""
+                 client_stats: dict | None = None, per_request: bool = True) -> dict:
+    """The report.json dict (schema: docs/bench.md). per_request=False
+    leaves the "requests" list empty (a long simulation omits its rows)."""
     with _no_cycle_collection():
-        return _build_report(records, slo, duration_s, price_per_hour, metrics_samples, config, client_stats)
+        return _build_report(records, slo, duration_s, price_per_hour, metrics_samples, config, client_stats,
+                             per_request)
 
 
 @contextmanager
@@ -326,7 +328,8 @@ def _no_cycle_collection():
             gc.enable()
 
 
-def _build_report(records, slo, duration_s, price_per_hour, metrics_samples, config, client_stats) -> dict:
+def _build_report(records, slo, duration_s, price_per_hour, metrics_samples, config, client_stats,
+                  per_request) -> dict:
     duration_s = run_duration_s(records) if duration_s is None else duration_s
     # Derived once per record: the summary, each class and the per-request
     # list all read them (hundreds of thousands for an hour of simulation).
@@ -351,7 +354,7 @@ def _build_report(records, slo, duration_s, price_per_hour, metrics_samples, con
         "by_priority": _by(records, latencies, lambda r: str(r.priority), duration_s, slo, whole),
         "server_metrics": server,
         "client": client_stats or {},
-        "requests": [_record_dict(r, lat) for r, lat in zip(records, latencies)],
+        "requests": [_record_dict(r, lat) for r, lat in zip(records, latencies)] if per_request else [],
     }
 
 

@@ -211,11 +211,10 @@ def simulate_once(args: argparse.Namespace, config: SimConfig, cost_model: CostM
         "replica_timeline": [list(p) for p in result.replica_timeline],
         "num_steps": result.num_steps, "simulated_s": result.duration_s, "wall_s": wall_s,
         "exact_token_events": exact, "requests_omitted": 0}
-    report = build_report(result.records, slo, price_per_hour=args.price_per_hour,
-                          config=run_config)
     if not exact:
-        run_config["simulation"]["requests_omitted"] = len(report["requests"])
-        report["requests"] = []
+        run_config["simulation"]["requests_omitted"] = len(result.records)
+    report = build_report(result.records, slo, price_per_hour=args.price_per_hour,
+                          config=run_config, per_request=exact)
     write_report(report, out_dir)
     return report
 

@@ -177,3 +177,22 @@ def test_prompt_exact_length_with_a_tokenizer(bpe_tokenizer_file, target):
 def test_missing_tokenizer_file_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer file not found"):
         load_tokenizer(tmp_path / "nope.json")
+
+
+def test_weighted_draws_are_those_of_random_choices():
+    # The mix draws with precomputed cumulative weights; the same seed must
+    # give what random.choices(population, weights) gives, draw for draw.
+    import random
+
+    from kvserve.bench.workload import _WeightedChoice
+
+    for trial in range(20):
+        setup = random.Random(trial)
+        population = list(range(setup.randint(1, 6)))
+        weights = [setup.choice([0.0, 0.1, 1.0, 3.0, 7.5]) + (i == 0) for i in population]
+        ours, reference = random.Random(f"x{trial}"), random.Random(f"x{trial}")
+        choice = _WeightedChoice(population, weights)
+        assert [choice.draw(ours) for _ in range(200)] == \
+            [reference.choices(population, weights)[0] for _ in range(200)]
+    with pytest.raises(ValueError, match="sum"):
+        _WeightedChoice(["a"], [0.0])

@@ -20,6 +20,7 @@ output_tokens[,weight]: `--workload table:lengths.csv`.
 
 from __future__ import annotations
 
+import bisect
 import csv
 import itertools
 import json
@@ -172,27 +173,37 @@ def iter_requests(spec: WorkloadSpec, seed: int = 0) -> Iterator[RequestSpec]:
 
 
 class _Mixes:
-    """A workload's weighted choices as (population, cumulative weights),
-    computed once: random.choices(population, cum_weights=...) draws what
-    choices(population, weights=...) draws, without summing per request."""
+    """A workload's weighted choices, each drawn as random.choices(population,
+    weights)[0] draws it: one rng.random() scaled by the total weight,
+    bisected into the cumulative weights (computed once, not per request)."""
 
     def __init__(self, spec: WorkloadSpec) -> None:
-        self.classes = _cumulative(spec.classes, [c.weight for c in spec.classes])
-        self.tenants = _cumulative([t for t, _ in spec.tenants], [w for _, w in spec.tenants])
-        self.priorities = _cumulative([p for p, _ in spec.priorities], [w for _, w in spec.priorities])
+        self.classes = _WeightedChoice(spec.classes, [c.weight for c in spec.classes])
+        self.tenants = _WeightedChoice([t for t, _ in spec.tenants], [w for _, w in spec.tenants])
+        self.priorities = _WeightedChoice([p for p, _ in spec.priorities], [w for _, w in spec.priorities])
 
 
-def _cumulative(population, weights) -> tuple[list, list]:
-    return list(population), list(itertools.accumulate(weights))
+class _WeightedChoice:
+    def __init__(self, population, weights) -> None:
+        self.population = list(population)
+        self.cum_weights = list(itertools.accumulate(weights))
+        self.total = self.cum_weights[-1] + 0.0
+        if not self.total > 0.0 or not math.isfinite(self.total):
+            raise ValueError(f"weights must sum to a finite number > 0, got {list(weights)}")
+
+    def draw(self, rng: random.Random):
+        # random.choices' own arithmetic (tests/test_bench_workload.py pins it).
+        return self.population[bisect.bisect(self.cum_weights, rng.random() * self.total,
+                                             0, len(self.population) - 1)]
 
 
 def _one_request(spec: WorkloadSpec, mixes: _Mixes, index: int, rng_len: random.Random,
                  rng_mix: random.Random) -> RequestSpec:
-    cls = rng_mix.choices(mixes.classes[0], cum_weights=mixes.classes[1])[0]
+    cls = mixes.classes.draw(rng_mix)
     prompt_tokens = cls.prompt.sample(rng_len)
     output_tokens = cls.output.sample(rng_len)
-    tenant = rng_mix.choices(mixes.tenants[0], cum_weights=mixes.tenants[1])[0]
-    priority = rng_mix.choices(mixes.priorities[0], cum_weights=mixes.priorities[1])[0]
+    tenant = mixes.tenants.draw(rng_mix)
+    priority = mixes.priorities.draw(rng_mix)
     group = None
     if spec.prefix_share > 0 and rng_mix.random() < spec.prefix_share:
         group = PrefixGroup(rng_mix.randrange(spec.num_prefix_groups), spec.prefix_tokens)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import operator
 from collections import Counter
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -350,24 +351,26 @@ def _build_report(records, slo, duration_s, price_per_hour, metrics_samples, con
         "config": config or {},
         "slo": asdict(slo) if slo else None,
         "summary": summary,
-        "by_tenant": _by(records, latencies, lambda r: r.tenant, duration_s, slo, whole),
-        "by_priority": _by(records, latencies, lambda r: str(r.priority), duration_s, slo, whole),
+        "by_tenant": _by(records, latencies, "tenant", duration_s, slo, whole),
+        "by_priority": _by(records, latencies, "priority", duration_s, slo, whole),
         "server_metrics": server,
         "client": client_stats or {},
         "requests": [_record_dict(r, lat) for r, lat in zip(records, latencies)] if per_request else [],
     }
 
 
-def _by(records, latencies, key, duration_s, slo, whole: dict) -> dict:
-    """Summaries per class; `whole` is summarize_records of all records
-    without a price (copied when one class holds them all)."""
+def _by(records, latencies, field_name: str, duration_s, slo, whole: dict) -> dict:
+    """Summaries per value of the records' `field_name` (keyed as strings);
+    `whole` is summarize_records of all records without a price (copied
+    when one class holds them all: the usual case, found without grouping)."""
+    keys = list(map(operator.attrgetter(field_name), records))
+    if len(set(keys)) == 1:
+        return {str(keys[0]): copy.deepcopy(whole)}
     groups: dict[str, tuple[list, list]] = {}
-    for r, lat in zip(records, latencies):
-        group = groups.setdefault(key(r), ([], []))
+    for key, r, lat in zip(keys, records, latencies):
+        group = groups.setdefault(str(key), ([], []))
         group[0].append(r)
         group[1].append(lat)
-    if len(groups) == 1:
-        return {k: copy.deepcopy(whole) for k in groups}
     # Cost is not split per class: the hardware is shared.
     return {k: summarize_records(rs, duration_s, slo, None, lats) for k, (rs, lats) in sorted(groups.items())}
 

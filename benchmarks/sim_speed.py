@@ -28,6 +28,7 @@ from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig  # noqa
 from kvserve.plan import kv_math  # noqa: E402
 from kvserve.plan.presets import preset  # noqa: E402
 from kvserve.sim.cost_model import RooflineCostModel  # noqa: E402
+from kvserve.sim.cli import report_rows_every  # noqa: E402
 from kvserve.sim.hardware import hardware_preset  # noqa: E402
 from kvserve.sim.simulator import SimConfig, Simulator  # noqa: E402
 
@@ -62,8 +63,9 @@ def main() -> int:
     if profiler:
         profiler.disable()
     t2 = time.perf_counter()
-    # As `kvserve simulate` builds it for a run this long: no per-request rows.
-    summary = build_report(result.records, SLO_PRESETS["mlperf-server"], per_request=False)["summary"]
+    # As `kvserve simulate` builds it (a long run keeps a sample of request rows).
+    summary = build_report(result.records, SLO_PRESETS["mlperf-server"],
+                           rows_every=report_rows_every(len(result.records)))["summary"]
     t3 = time.perf_counter()
     sim_wall = t2 - t1
     total = t3 - t0

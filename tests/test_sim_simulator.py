@@ -114,9 +114,9 @@ def test_simulate_cli_writes_the_bench_report_schema(tmp_path, capsys):
     assert "simulated" in capsys.readouterr().out
 
 
-def test_a_long_simulation_keeps_its_summary_exact_and_omits_per_request_rows(tmp_path, monkeypatch):
+def test_a_long_simulation_keeps_its_summary_exact_and_a_sample_of_request_rows(tmp_path, monkeypatch):
     # Past EXACT_EVENTS_MAX_REQUESTS a run keeps first/last token times and
-    # writes no per-request rows (an hour is 180k of them); TTFT, TPOT and
+    # every k-th request's row (an hour is 180k of them); TTFT, TPOT and
     # E2E stay those of the exact run.
     from kvserve.sim import cli as sim_cli
 
@@ -126,9 +126,15 @@ def test_a_long_simulation_keeps_its_summary_exact_and_omits_per_request_rows(tm
     monkeypatch.setattr(sim_cli, "EXACT_EVENTS_MAX_REQUESTS", 50)
     assert main(args + ["--out", str(tmp_path / "long")]) == 0
     exact, long = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("exact", "long"))
-    assert len(exact["requests"]) == 60 and long["requests"] == []
-    assert long["config"]["simulation"]["requests_omitted"] == 60
+    # Every second request's row (60 > 50): enough for the plots.
+    assert len(exact["requests"]) == 60
+    assert [r["index"] for r in long["requests"]] == list(range(0, 60, 2))
+    assert all(len(r["token_events"]) <= 2 for r in long["requests"])
+    assert long["config"]["simulation"]["requests_sampled_every"] == 2
+    assert long["config"]["simulation"]["requests_omitted"] == 30
     assert long["config"]["simulation"]["exact_token_events"] is False
+    html = (tmp_path / "long" / "report.html").read_text()
+    assert "1 request in 2 (30 of 60)" in html and html.count("<svg") >= 4
     for metric in ("ttft", "tpot", "e2e"):
         assert long["summary"][metric] == exact["summary"][metric]
     assert long["summary"]["outcomes"] == exact["summary"]["outcomes"]

@@ -126,6 +126,15 @@ def _ms(value) -> str:
     return "-" if value is None else f"{value * 1000:.1f}"
 
 
+def _sample_note(report: dict) -> str:
+    """A long simulation keeps every k-th request's row: say so above the plots."""
+    every = report.get("config", {}).get("simulation", {}).get("requests_sampled_every", 1)
+    if every <= 1:
+        return ""
+    return (f"<p>Per-request plots: 1 request in {every} ({len(report['requests'])} of "
+            f"{report['summary']['num_requests']}); the tables cover all of them.</p>")
+
+
 def render_html(report: dict) -> str:
     """A self-contained HTML page for the report dict."""
     from kvserve.bench.report import format_table
@@ -142,6 +151,7 @@ td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}
 <pre>{html.escape(format_table(report))}</pre>
 {f"<h2>warnings</h2><ul>{warnings}</ul>" if warnings else ""}
 <h2>plots</h2>
+{_sample_note(report)}
 {charts}
 </body></html>
 """

@@ -305,12 +305,13 @@ def run_duration_s(records: Sequence[RequestRecord]) -> float:
 def build_report(records: Sequence[RequestRecord], slo: SLO | None = None,
                  duration_s: float | None = None, price_per_hour: float | None = None,
                  metrics_samples: Sequence[MetricsSample] = (), config: dict | None = None,
-                 client_stats: dict | None = None, per_request: bool = True) -> dict:
-    """The report.json dict (schema: docs/bench.md). per_request=False
-    leaves the "requests" list empty (a long simulation omits its rows)."""
+                 client_stats: dict | None = None, rows_every: int = 1) -> dict:
+    """The report.json dict (schema: docs/bench.md). The "requests" list
+    holds every `rows_every`-th record's row (a long simulation keeps a
+    sample for the plots; 0: none); the summaries cover every record."""
     with _no_cycle_collection():
         return _build_report(records, slo, duration_s, price_per_hour, metrics_samples, config, client_stats,
-                             per_request)
+                             rows_every)
 
 
 @contextmanager
@@ -330,7 +331,7 @@ def _no_cycle_collection():
 
 
 def _build_report(records, slo, duration_s, price_per_hour, metrics_samples, config, client_stats,
-                  per_request) -> dict:
+                  rows_every) -> dict:
     duration_s = run_duration_s(records) if duration_s is None else duration_s
     # Derived once per record: the summary, each class and the per-request
     # list all read them (hundreds of thousands for an hour of simulation).
@@ -355,7 +356,8 @@ def _build_report(records, slo, duration_s, price_per_hour, metrics_samples, con
         "by_priority": _by(records, latencies, "priority", duration_s, slo, whole),
         "server_metrics": server,
         "client": client_stats or {},
-        "requests": [_record_dict(r, lat) for r, lat in zip(records, latencies)] if per_request else [],
+        "requests": [_record_dict(r, lat) for r, lat in
+                     zip(records[::rows_every], latencies[::rows_every])] if rows_every else [],
     }
 
 

@@ -13,6 +13,7 @@ writes the same report.json as `kvserve bench`.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -32,7 +33,8 @@ from kvserve.sim.router import ROUTERS
 from kvserve.sim.simulator import AutoscaleConfig, SimConfig, Simulator
 
 # Above this many requests a run keeps (first, last) token times per request
-# instead of every token (memory), and report.json omits per-request rows.
+# instead of every token (memory), and report.json keeps every k-th request's
+# row, at most this many (file size; enough for its plots).
 EXACT_EVENTS_MAX_REQUESTS = 20_000
 # Flags of `kvserve serve`'s engine group that make no sense here (or that
 # the model flags above already define).
@@ -195,6 +197,12 @@ def _admission_config(args: argparse.Namespace) -> AdmissionConfig:
     return admission
 
 
+def report_rows_every(num_requests: int) -> int:
+    """k such that every k-th of `num_requests` rows is at most
+    EXACT_EVENTS_MAX_REQUESTS rows."""
+    return max(1, math.ceil(num_requests / EXACT_EVENTS_MAX_REQUESTS))
+
+
 def simulate_once(args: argparse.Namespace, config: SimConfig, cost_model: CostModel, slo: SLO,
                   rate_per_s: float, out_dir: Path) -> dict:
     plan = bench_cli.plan_requests(args, rate_per_s)
@@ -210,11 +218,13 @@ def simulate_once(args: argparse.Namespace, config: SimConfig, cost_model: CostM
         "router": config.router, "replicas": result.replicas,
         "replica_timeline": [list(p) for p in result.replica_timeline],
         "num_steps": result.num_steps, "simulated_s": result.duration_s, "wall_s": wall_s,
-        "exact_token_events": exact, "requests_omitted": 0}
-    if not exact:
-        run_config["simulation"]["requests_omitted"] = len(result.records)
+        "exact_token_events": exact, "requests_sampled_every": 1, "requests_omitted": 0}
+    rows_every = report_rows_every(len(result.records))
+    if rows_every > 1:
+        run_config["simulation"]["requests_sampled_every"] = rows_every
+        run_config["simulation"]["requests_omitted"] = len(result.records) - len(result.records[::rows_every])
     report = build_report(result.records, slo, price_per_hour=args.price_per_hour,
-                          config=run_config, per_request=exact)
+                          config=run_config, rows_every=rows_every)
     write_report(report, out_dir)
     return report
 

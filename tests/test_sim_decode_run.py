@@ -307,3 +307,58 @@ def test_a_run_is_not_extended_with_a_more_urgent_newcomer():
     before = (len(run.requests), run.num_steps, list(run.num_seqs))
     assert not run.extend(1)  # it would run first, not last
     assert (len(run.requests), run.num_steps, list(run.num_seqs)) == before
+
+
+def _two_long_decodes(prefix_caching):
+    clock = FakeClock()
+    sched, _ = make_scheduler(num_blocks=400, block_size=4, budget=64, max_seqs=32, max_model_len=200,
+                              prefix_caching=prefix_caching, clock=clock)
+    for i in range(2):
+        sched.add_request(make_request(f"r{i}", num_prompt=5 + i, max_tokens=60, arrival=0.001 * i,
+                                       first_token=1, ignore_eos=True))
+    while sched.waiting.peek(clock.now) is not None or any(
+            r.num_tokens - r.num_computed_tokens > 1 for r in sched.running.values()):
+        step(sched, clock, NON_EOS)
+    return sched, clock
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_run_that_takes_in_many_newcomers_goes_on_as_single_steps(prefix_caching):
+    # A newcomer at every step joins a run planned for two requests, until
+    # the run has held seven times as many (its event keys leave room for
+    # as many newcomers again as it holds, then are renumbered); some
+    # newcomers share the first requests' prompt blocks, some finish inside
+    # the run. The same state, finishes and batches as single steps.
+    single, single_clock = _two_long_decodes(prefix_caching)
+    multi, multi_clock = _two_long_decodes(prefix_caching)
+    run = multi.plan_decode_run(40, NON_EOS)
+    assert run is not None and run.num_steps == 40
+    num_arrivals = 12
+    for k in range(num_arrivals):
+        def arrival():
+            return make_request(f"new{k}", num_prompt=3 + k % 5, max_tokens=5 + k, priority=1, arrival=1.0 + k,
+                                first_token=1 if k % 2 else 50, ignore_eos=True)
+        single.add_request(arrival())
+        multi.add_request(arrival())
+        started = run.schedule_step_with_waiting(k)
+        assert [c.request.request_id for c in started.chunks] == [f"new{k}"]
+        multi_clock.now += 0.01
+        run.update_step(k, multi_clock.now)
+        multi.update(started, {c.request.request_id: NON_EOS for c in started.chunks if c.samples})
+        step(single, single_clock, NON_EOS)
+        assert run.extend(k + 1)
+    assert len(run.requests) == 2 + num_arrivals
+    assert any(r.is_finished for r in run.requests), "some newcomers must finish inside the run"
+    end_times = [multi_clock.now + 0.01 * (i + 1 - num_arrivals) for i in range(run.num_steps)]
+    run.schedule_step(num_arrivals)
+    finished = run.apply_steps(run.num_steps - 1, end_times, run.num_steps - 1)
+    run.close()
+    single_finished = []
+    for i in range(num_arrivals, run.num_steps):
+        single_clock.now = end_times[i]
+        out = step(single, None, NON_EOS)
+        assert [(c.request.request_id, c.start) for c in out.chunks] == \
+            [(r.request_id, start) for r, start in run.batch_at(i)]
+        single_finished += [(i, c.request.request_id) for c in out.chunks if c.request.is_finished]
+    assert _state(multi) == _state(single)
+    assert [(i, r.request_id) for i, r in finished] == single_finished

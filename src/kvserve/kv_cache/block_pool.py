@@ -81,27 +81,36 @@ class BlockPool:
         """`num_blocks` fresh blocks with ref_count 1, or None (no change) if
         fewer are available. Evicts LRU cached blocks when the free list runs out."""
         free, evictable = self._free, self._evictable
-        if num_blocks > len(free) + len(evictable):
+        num_from_free = min(num_blocks, len(free))
+        if num_blocks - num_from_free > len(evictable):
             return None
-        out = []
-        for _ in range(num_blocks):
-            if free:
-                block = free.pop()
-            else:  # _evict_lru inline: once a cache fills, nearly every block comes from here
-                _, block = evictable.popitem(last=False)
-                del self._by_hash[block.block_hash]
+        # The free list's top blocks, popped in one slice (the order of
+        # popping them one by one), then the LRU's oldest: once a cache
+        # fills, nearly every block comes from there (_evict_lru inline).
+        out = free[len(free) - num_from_free:]
+        del free[len(free) - num_from_free:]
+        out.reverse()
+        if num_from_free < num_blocks:
+            popitem, by_hash = evictable.popitem, self._by_hash
+            for _ in range(num_blocks - num_from_free):
+                _, block = popitem(last=False)
+                del by_hash[block.block_hash]
                 block.block_hash = None
-                self.num_evictions += 1
+                out.append(block)
+            self.num_evictions += num_blocks - num_from_free
+        for block in out:
             block.ref_count = 1
-            out.append(block)
         return out
 
     def allocate_one(self) -> KVBlock | None:
         """allocate(1)'s block, or None (no change) when none is available."""
         if self._free:
             block = self._free.pop()
-        elif self._evictable:
-            block = self._evict_lru()
+        elif self._evictable:  # _evict_lru inline: a full cache's every decode block
+            _, block = self._evictable.popitem(last=False)
+            del self._by_hash[block.block_hash]
+            block.block_hash = None
+            self.num_evictions += 1
         else:
             return None
         block.ref_count = 1
@@ -118,14 +127,16 @@ class BlockPool:
         """Drop one reference from each block, in the given order. Blocks that
         reach 0 become cached (if hashed) at the most-recent end of the LRU, so
         pass them in the order they should be evicted (a request's tail first)."""
-        for block in blocks:
-            block.ref_count -= 1
-            if block.ref_count > 0:
-                continue
-            if block.block_hash is not None:
-                self._evictable[block.block_id] = block
+        free, evictable = self._free, self._evictable
+        for block in blocks:  # every block of every finished request: locals
+            ref_count = block.ref_count - 1
+            block.ref_count = ref_count
+            if ref_count > 0:
+                continue  # still shared
+            if block.block_hash is None:
+                free.append(block)
             else:
-                self._free.append(block)
+                evictable[block.block_id] = block
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> bool:
         """Register an in-use, fully computed block under its prefix hash.

@@ -182,13 +182,63 @@ class KVCacheManager:
             self.pool.cache_blocks(self._blocks[rid][start:num_full], hashes[start:num_full])
         self._num_cached_blocks[rid] = num_full
 
+    # -- a decode run's per-block calls ---------------------------------------
+    # `scheduler.DecodeRun` applies a steady decode batch's steps as events:
+    # a token entering a new block, a block completed. These two calls do
+    # for exactly those events what allocate_slots and cache_computed_blocks
+    # do, without the general cases' work: they run for every block a
+    # decode run fills (millions in a simulated hour).
+
+    def append_block(self, request_id: str) -> KVBlock | None:
+        """allocate_slots for a request that holds blocks and whose next token
+        enters a new block (the caller knows it does): one block from the
+        pool at the end of its block table. None, with no change, when the
+        pool has none."""
+        block = self.pool.allocate_one()
+        if block is None:
+            return None
+        self._blocks[request_id].append(block)
+        self._block_ids[request_id].append(block.block_id)
+        return block
+
+    def cache_next_block(self, request: Request, num_computed_tokens: int, pending_token_id: int) -> None:
+        """cache_computed_blocks(request, num_computed_tokens, pending_token_id)
+        when that completes exactly the request's next unregistered block (a
+        decode step ending on a block boundary); the general call otherwise."""
+        rid = request.request_id
+        index = self._num_cached_blocks.get(rid)
+        size = self.block_size
+        if index is None or num_computed_tokens // size != index + 1 or not self.enable_prefix_caching:
+            self.cache_computed_blocks(request, num_computed_tokens, pending_token_id)
+            return
+        hashes = request.block_hashes
+        if len(hashes) > index:
+            block_hash = hashes[index]
+        else:
+            # Whether the block holds only the pending token (_request_hashes'
+            # decode-run case, inline): it lies past the prompt and its output
+            # tokens known so far, if any, equal it. The prompt is never
+            # empty, so such a block has a parent hash.
+            offset = index * size - len(request.prompt_token_ids)
+            known = request.output_token_ids[offset:offset + size] if offset >= 0 else None
+            if len(hashes) == index and known is not None and known.count(pending_token_id) == len(known):
+                block_hash = hash_encoded_block(hashes[-1], encoded_repeat(pending_token_id, size))
+                hashes.append(block_hash)
+            else:
+                block_hash = self._request_hashes(request, index + 1, pending_token_id)[index]
+        self.pool.cache_block(self._blocks[rid][index], block_hash)
+        self._num_cached_blocks[rid] = index + 1
+
     def free(self, request: Request) -> None:
         """Release every block of the request. Its tail blocks become the first
         to be evicted: a prefix's head is the part most likely shared."""
         rid = request.request_id
         blocks = self._blocks.pop(rid, None)
-        self._block_ids.pop(rid, None)
-        self._num_cached_blocks.pop(rid, None)
+        if blocks is None:
+            return  # holds nothing (never started, or preempted)
+        # The three maps gain and lose a request together (allocate_slots).
+        del self._block_ids[rid]
+        del self._num_cached_blocks[rid]
         if blocks:
             self.pool.release(reversed(blocks))
 

@@ -362,6 +362,14 @@ class Scheduler:
         self.kv_cache.free(request)
 
 
+def _key_stride(num_requests: int) -> int:
+    """The N of a decode run's event keys for `num_requests` requests: room
+    for as many newcomers again, so `extend` appends the keys of requests
+    joining the run and renumbers the others only when the run's requests
+    outgrow it (a Python pass over every key)."""
+    return 2 * num_requests
+
+
 class DecodeRun:
     """Several consecutive steps of an unchanging pure-decode batch, applied
     with Python work per event (a block boundary, a finish) instead of per
@@ -389,11 +397,12 @@ class DecodeRun:
     goes on without a new plan of the whole batch.
 
     The events are one sorted list of integer keys, built from ranges (no
-    Python loop per event while planning): with N requests, request i's
-    allocation for step s is key (2s - 1) * N + i, its update at step s (a
-    completed block, a finish) key 2s * N + i. Ascending keys are the order
-    single steps run them in: schedule(s) allocates in batch order, update(s)
-    registers and finishes in batch order, then schedule(s + 1).
+    Python loop per event while planning): with N above every request's
+    index, request i's allocation for step s is key (2s - 1) * N + i, its
+    update at step s (a completed block, a finish) key 2s * N + i.
+    Ascending keys are the order single steps run them in: schedule(s)
+    allocates in batch order, update(s) registers and finishes in batch
+    order, then schedule(s + 1).
     """
 
     def __init__(self, scheduler: Scheduler, batch: list[Request], starts: list[int], token_id: int,
@@ -408,7 +417,7 @@ class DecodeRun:
         # Per request: the step that ends it (may lie past the run).
         self._last_step = [scheduler._steps_until_stop(r, token_id) - 1 for r in batch]
         self._events: list[int] = []  # ascending keys (see the class docstring)
-        self._n = len(batch)  # the N of the keys
+        self._n = _key_stride(len(batch))  # the N of the keys
         # Blocks each request finishing inside the run surely frees: only its
         # blocks from this run are surely its alone (shared prefix blocks
         # may stay held), a lower bound.
@@ -511,9 +520,10 @@ class DecodeRun:
             return False
         events, n = self._events, self._n
         del events[:bisect.bisect_left(events, (2 * step - 1) * n)]  # applied already
-        if new:  # N grows: each key q * N + i becomes q * (N + len(new)) + i
-            events[:] = [key + (key // n) * len(new) for key in events]
-            self._n = n + len(new)
+        if len(self.requests) + len(new) > n:  # out of indexes: each key q * N + i becomes q * N' + i
+            stride = _key_stride(len(self.requests) + len(new))
+            events[:] = [key + (key // n) * (stride - n) for key in events]
+            self._n = stride
         first_new = len(self.requests)
         self.requests += new
         self._start += [r.num_computed_tokens - step for r in new]  # position at step s = start + s
@@ -559,7 +569,7 @@ class DecodeRun:
         events, n = self._events, self._n
         base = (2 * step - 1) * n
         for position in range(bisect.bisect_left(events, base), bisect.bisect_left(events, base + n)):
-            self._allocate(events[position] - base, step)
+            self._allocate(events[position] - base)
 
     def schedule_step_with_waiting(self, step: int) -> SchedulerOutput | None:
         """Step `step` as schedule() builds it while requests wait: the
@@ -613,25 +623,25 @@ class DecodeRun:
         hi = bisect.bisect_left(events, (2 * last + (2 if last < last_scheduled else 1)) * n, lo)
         finished = []
         # _allocate and _update inline (the hot loop of a simulated hour).
-        requests, starts, synced, last_steps = self.requests, self._start, self._synced, self._last_step
-        allocate_slots, cache_computed_blocks = self._kv.allocate_slots, self._kv.cache_computed_blocks
+        requests, starts, last_steps = self.requests, self._start, self._last_step
+        append_block, cache_next_block = self._kv.append_block, self._kv.cache_next_block
         token_id = self._token_id
         for key in events[lo:hi]:
             step2, index = divmod(key, n)
-            if step2 & 1:  # the allocation for step (step2 + 1) / 2
-                if allocate_slots(requests[index], ((step2 + 1) >> 1) + 1 - synced[index]) is None:
+            if step2 & 1:  # the allocation for step (step2 + 1) / 2: one new block
+                if append_block(requests[index].request_id) is None:
                     raise AssertionError("a planned decode step ran out of KV blocks")
             elif last_steps[index] != step2 >> 1:  # a completed block
-                cache_computed_blocks(requests[index], starts[index] + (step2 >> 1) + 1, token_id)
+                cache_next_block(requests[index], starts[index] + (step2 >> 1) + 1, token_id)
             else:
                 step = step2 >> 1
                 finished.append((step, self._update(index, step, end_times[step])))
         return finished
 
-    def _allocate(self, index: int, step: int) -> None:
-        # The request's fields may lag behind the run: ask for the tokens
-        # through step `step` from where they stand (the same allocation).
-        if self._kv.allocate_slots(self.requests[index], step + 1 - self._synced[index]) is None:
+    def _allocate(self, index: int) -> None:
+        # Planned where the step's position enters a new block: one block
+        # (what allocate_slots gives, without reading the lagging request).
+        if self._kv.append_block(self.requests[index].request_id) is None:
             raise AssertionError("a planned decode step ran out of KV blocks")
 
     def _update(self, index: int, step: int, now: float) -> Request | None:
@@ -641,7 +651,7 @@ class DecodeRun:
         when it finished."""
         request = self.requests[index]
         if self._last_step[index] != step:
-            self._kv.cache_computed_blocks(request, self._start[index] + step + 1, self._token_id)
+            self._kv.cache_next_block(request, self._start[index] + step + 1, self._token_id)
             return None
         self._sync(index, step + 1)
         self._kv.cache_computed_blocks(request)

@@ -144,4 +144,6 @@ def test_closed_loop_duration_stops_sending(server, tmp_path):
                   "--workload", "short") == 0
     requests = json.loads((tmp_path / "report.json").read_text())["requests"]
     assert len(requests) >= 3
-    assert all(r["sent_s"] < 0.5 for r in requests)
+    # Decided inside the duration (sent a moment later on a loaded machine).
+    assert all(0 <= r["scheduled_s"] < 0.5 for r in requests)
+    assert all(r["sent_s"] >= r["scheduled_s"] for r in requests)

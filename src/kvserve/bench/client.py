@@ -406,11 +406,16 @@ async def _closed_loop(client: LoadClient, specs: Iterable[RequestSpec],
     queue = iter(specs)
 
     async def worker() -> None:
-        while duration_s is None or client.now() < duration_s:
+        while True:
+            # The decision to send is the request's scheduled time: it lies
+            # inside the duration even when a loaded machine sends it after.
+            scheduled_s = client.now()
+            if duration_s is not None and scheduled_s >= duration_s:
+                return
             spec = next(queue, None)
             if spec is None:
                 return
-            await client.execute(spec, prompt_for(spec), client.now())
+            await client.execute(spec, prompt_for(spec), scheduled_s)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 

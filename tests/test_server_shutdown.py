@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -31,7 +30,8 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero():
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.serve_tiny", str(port), "20"], cwd=ROOT, env=env,
+    # 5 ms per engine step: the 400-token request below lasts >= 2 s.
+    proc = subprocess.Popen([sys.executable, "-m", "tests.serve_tiny", str(port), "20", "0.005"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         def ready() -> bool:
@@ -42,18 +42,22 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero():
 
         assert wait_until(ready, 60, 0.2), proc.stdout.read1().decode() if proc.poll() is not None else "no start"
         result = {}
+        streaming = threading.Event()
 
         def long_stream():
             body = {"model": MODEL_NAME, "prompt": "drain me", "max_tokens": 400, "stream": True}
             with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
                 result["status"] = r.status_code
-                chunks = [json.loads(line[6:]) for line in r.iter_lines()
-                          if line.startswith("data: {")]
+                chunks = []
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunks.append(json.loads(line[6:]))
+                        streaming.set()
                 result["finish"] = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
 
         client = threading.Thread(target=long_stream)
         client.start()
-        time.sleep(0.3)  # the request is running
+        assert streaming.wait(30)  # the request is running: its first tokens arrived
         proc.send_signal(signal.SIGTERM)
         assert wait_until(lambda: not ready(), 5)
         refused = httpx.post(base + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2},

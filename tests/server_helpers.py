@@ -55,6 +55,21 @@ def tiny_core(num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 16
     return core
 
 
+def slow_steps(core: EngineCore, delay_s: float) -> EngineCore:
+    """Make every engine step of `core` take at least `delay_s` longer, so a
+    test's long request stays in flight for a known time however fast the
+    machine runs the tiny model."""
+    if delay_s <= 0:
+        return core
+    step = core.step
+
+    def slow_step():
+        time.sleep(delay_s)
+        return step()
+    core.step = slow_step
+    return core
+
+
 class LiveServer:
     """uvicorn on 127.0.0.1:<free port> in a thread; use as a context manager."""
 

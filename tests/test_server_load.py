@@ -16,7 +16,7 @@ import pytest
 from kvserve.contract import Request, SamplingParams
 from kvserve.server.tenants import TenantDirectory
 from tests.load_helpers import after, body, metric, run_clients, scrape, stream_one, wait_until, warm_up
-from tests.server_helpers import live_server, tiny_core
+from tests.server_helpers import live_server, slow_steps, tiny_core
 
 TTFT_TARGET_S = 2.0
 
@@ -98,12 +98,14 @@ def test_stalled_reader_is_aborted_and_frees_kv():
 
 
 def test_request_that_cannot_start_in_time_gets_503_even_when_streaming():
-    core = tiny_core(num_blocks=64, max_num_seqs=1)
+    # 2 ms per step at least: the 450-token request holds the only slot for
+    # > 0.9 s, well over the queue timeout, however fast the machine.
+    core = slow_steps(tiny_core(num_blocks=64, max_num_seqs=1), 0.002)
     with live_server(core, max_queue_wait_s=100, queue_timeout_s=0.3) as srv:
         warm_up(srv.base_url, num_requests=2)
 
         def clients(c):
-            first = stream_one(c, body(max_tokens=450))  # runs for well over the queue timeout
+            first = stream_one(c, body(max_tokens=450))
             queued = [after(0.1, stream_one(c, body(max_tokens=5))) for _ in range(3)]
             deadline = after(0.1, stream_one(c, body(max_tokens=5), headers={"x-kvserve-deadline-s": "0.2"}))
             return [first, *queued, deadline]

@@ -120,7 +120,9 @@ def test_request_that_cannot_start_in_time_gets_503_even_when_streaming():
 
 
 def test_priority_requests_wait_less_and_batch_still_finishes():
-    core = tiny_core(num_blocks=128, max_num_seqs=2)
+    # 3 ms per step at least: the deferred batch (200 steps) is still queued
+    # when the urgent requests arrive at 0.2 s, however fast the machine.
+    core = slow_steps(tiny_core(num_blocks=128, max_num_seqs=2), 0.003)
     with live_server(core, max_queue_wait_s=100, deferred_max_queue_wait_s=100) as srv:
         warm_up(srv.base_url)
 

@@ -6,12 +6,16 @@
    engine settings just before and just after `kvserve bench` runs a
    workload against the server, and one cost model is fitted to both sets of
    steps; a few probe requests measure the time a client sees beyond the
-   server's own TTFT (HTTP, streaming: `--frontend-latency-ms`);
+   server's own TTFT (HTTP, streaming: `--frontend-latency-ms`) and the
+   live server's batch-1 decode step;
    `kvserve simulate --hardware profile.json` then runs the same
-   workload (same seed: identical request lengths and arrival times);
+   workload (same seed: identical request lengths and arrival times), with
+   the profile as measured and with the profile scaled to the live decode
+   step (the machine's speed drifts between profiling and serving, and the
+   server shares it with its frontend and the bench client);
 3. prints the relative error of p50 / p99 TTFT and TPOT and of goodput
-   (target: 15% at p50, 25% at p99, for rates below saturation) and writes
-   OUT/validation.json.
+   for both (target: 15% at p50, 25% at p99, for rates below saturation)
+   and writes OUT/validation.json.
 
 Bounded: the profile has a time budget and each rate sends --num-requests.
 
@@ -125,6 +129,58 @@ def frontend_latency_s(base_url: str, num_probes: int = 8) -> float:
     return max(0.0, sum(client) / num_probes - (total1 - total0) / num_probes)
 
 
+PROBE_PROMPT_TOKENS = 48  # a short workload's prompt length, about
+PROBE_NEW_TOKENS = 24
+
+
+def live_decode_step_s(base_url: str, num_probes: int = 4) -> float:
+    """The live server's batch-1 decode step: the median gap between the
+    streamed tokens of a few sequential probe requests (a client's ITL
+    equals the server's own inter-token latency here: docs/performance.md).
+    Measured before the bench run, like the frontend latency."""
+    import statistics
+    import urllib.request
+
+    with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as resp:
+        model = json.loads(resp.read())["data"][0]["id"]
+    gaps = []
+    for i in range(num_probes):
+        prompt = [1000 + 7 * i + j for j in range(PROBE_PROMPT_TOKENS)]  # no prefix hits between probes
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": PROBE_NEW_TOKENS,
+                           "ignore_eos": True, "stream": True}).encode()
+        request = urllib.request.Request(base_url + "/v1/completions", body, {"Content-Type": "application/json"})
+        times = []
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            for line in resp:
+                if line.startswith(b"data: {"):
+                    times.append(time.perf_counter())
+        gaps += [b - a for a, b in zip(times, times[1:])]
+        time.sleep(0.2)
+    return statistics.median(gaps)
+
+
+def calibrated(profile: str, live_step_s: float, path: Path) -> tuple[str, float]:
+    """The profile with every coefficient and curve point scaled so that its
+    batch-1 decode step at the probes' median context equals the live
+    server's: the shape of the cost measured offline, its level on the
+    serving process (which shares the machine with its frontend and the
+    bench client, and drifts with the machine's speed). Returns the path
+    and the scale."""
+    from kvserve.sim.cost_model import StepShape, load_profile
+
+    context = PROBE_PROMPT_TOKENS + PROBE_NEW_TOKENS // 2
+    predicted = load_profile(Path(profile)).step_time_s(StepShape(0, 1, context + 1, context + 1))
+    scale = live_step_s / predicted
+    doc = json.loads(Path(profile).read_text())
+    doc["coefficients"] = {k: v * scale for k, v in doc["coefficients"].items()}
+    if doc.get("token_curve"):
+        doc["token_curve"]["step_s"] = [t * scale for t in doc["token_curve"]["step_s"]]
+    doc["about"] = {**doc.get("about", {}), "calibration": {"live_decode_step_s": live_step_s,
+                                                            "predicted_s": predicted, "scale": scale}}
+    path.write_text(json.dumps(doc, indent=1))
+    return str(path), scale
+
+
 def relative_error(sim: float | None, real: float | None) -> float | None:
     if sim is None or real is None or real == 0:
         return None
@@ -175,7 +231,7 @@ def main() -> int:
                        check=True, env=ENV)
         return str(path)
 
-    results, fits = {}, {}
+    results, results_calibrated, fits = {}, {}, {}
     for rate in [float(r) for r in args.rates.split(",")]:
         before = profile_now(out / f"profile_{rate:g}_before.json")
         load = ["--workload", args.workload, "--rate", str(rate), "--num-requests",
@@ -185,23 +241,30 @@ def main() -> int:
         # rate would serve most of them from its prefix cache.
         with serving(engine + admission) as base_url:
             frontend_s = frontend_latency_s(base_url)
+            live_step_s = live_decode_step_s(base_url)
             subprocess.run(kvserve("bench", "--base-url", base_url, *load, "--tokenizer", gguf,
                                    "--no-progress", "--out", str(out / f"bench_{rate:g}")), check=True, env=ENV)
         after = profile_now(out / f"profile_{rate:g}_after.json")
         profile = bracket(before, after, out / f"profile_{rate:g}.json")
-        rc = kvserve_main(["simulate", "--model", gguf, "--hardware", profile, *load, *engine,
-                           *admission, "--frontend-latency-ms", f"{frontend_s * 1e3:.3f}",
-                           "--out", str(out / f"sim_{rate:g}")])
-        if rc != 0:
-            raise SystemExit(f"simulate failed with {rc}")
+        calibrated_profile, scale = calibrated(profile, live_step_s, out / f"profile_{rate:g}_calibrated.json")
         real = json.loads((out / f"bench_{rate:g}" / "report.json").read_text())
-        sim = json.loads((out / f"sim_{rate:g}" / "report.json").read_text())
-        results[f"{rate:g}"] = compare(real, sim)
-        fits[f"{rate:g}"] = {**json.loads(Path(profile).read_text())["fit"], "frontend_latency_s": frontend_s}
-    document = {"rates": results, "profile_fits": fits,
+        for name, hardware in (("sim", profile), ("sim_calibrated", calibrated_profile)):
+            rc = kvserve_main(["simulate", "--model", gguf, "--hardware", hardware, *load, *engine,
+                               *admission, "--frontend-latency-ms", f"{frontend_s * 1e3:.3f}",
+                               "--out", str(out / f"{name}_{rate:g}")])
+            if rc != 0:
+                raise SystemExit(f"simulate failed with {rc}")
+            sim = json.loads((out / f"{name}_{rate:g}" / "report.json").read_text())
+            (results if name == "sim" else results_calibrated)[f"{rate:g}"] = compare(real, sim)
+        fits[f"{rate:g}"] = {**json.loads(Path(profile).read_text())["fit"], "frontend_latency_s": frontend_s,
+                             "live_decode_step_s": live_step_s, "calibration_scale": scale}
+    document = {"rates": results, "rates_calibrated": results_calibrated, "profile_fits": fits,
                 "wall_s": time.monotonic() - started, "args": vars(args)}
     (out / "validation.json").write_text(json.dumps(document, indent=1))
+    print("profile as measured:")
     print(format_table(results))
+    print("profile calibrated to the live server's batch-1 decode step (probes before the bench run):")
+    print(format_table(results_calibrated))
     print(f"wall {document['wall_s']:.0f} s; wrote {out / 'validation.json'}")
     return 0
 

@@ -88,6 +88,13 @@ def serving(flags: list[str]):
         server.wait(timeout=60)
 
 
+def served_model(base_url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as resp:
+        return json.loads(resp.read())["data"][0]["id"]
+
+
 def frontend_latency_s(base_url: str, num_probes: int = 8) -> float:
     """What a client's TTFT holds beyond the server's own (HTTP, request
     parsing, streaming out, the client's reading): the mean streamed TTFT
@@ -107,8 +114,7 @@ def frontend_latency_s(base_url: str, num_probes: int = 8) -> float:
                 count += float(line.rsplit(" ", 1)[1])
         return total, count
 
-    with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as resp:
-        model = json.loads(resp.read())["data"][0]["id"]
+    model = served_model(base_url)
     total0, count0 = server_ttft()
     client = []
     for i in range(num_probes):
@@ -141,8 +147,7 @@ def live_decode_step_s(base_url: str, num_probes: int = 4) -> float:
     import statistics
     import urllib.request
 
-    with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as resp:
-        model = json.loads(resp.read())["data"][0]["id"]
+    model = served_model(base_url)
     gaps = []
     for i in range(num_probes):
         prompt = [1000 + 7 * i + j for j in range(PROBE_PROMPT_TOKENS)]  # no prefix hits between probes

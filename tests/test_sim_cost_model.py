@@ -155,6 +155,26 @@ def test_a_fit_never_extrapolates_past_its_knots():
     assert sum(errors) / len(errors) == pytest.approx(stats["mean_abs_rel_error"], rel=1e-9, abs=1e-12)
 
 
+# Steps of tests/test_sim_profile.py's tiny sweep timed on a machine with
+# every core busy (the same 8-token step took 25 ms and 1.3 ms): (prefill
+# tokens, decode seqs, KV tokens read, attention pairs), seconds.
+NOISY_TINY_SWEEP = [((1, 0, 1, 1), 0.001492), ((4, 0, 4, 10), 0.009021), ((16, 0, 16, 136), 0.009848),
+                    ((64, 0, 64, 2080), 0.010575), ((0, 4, 40, 40), 0.009346), ((8, 4, 56, 84), 0.010131),
+                    ((0, 1, 14, 14), 0.00929), ((8, 1, 24, 52), 0.001265), ((8, 0, 8, 36), 0.025338),
+                    ((0, 4, 172, 172), 0.001188), ((8, 4, 188, 216), 0.00567), ((0, 1, 48, 48), 0.005091),
+                    ((8, 1, 58, 86), 0.005371), ((8, 0, 8, 36), 0.001336)]
+
+
+def test_no_knot_is_fitted_below_the_first_so_no_step_takes_no_time():
+    # An unconstrained knot at 4 tokens came out 0 s on these steps, and the
+    # 4-token step was predicted to take no time at all.
+    samples = [(StepShape(*shape), t) for shape, t in NOISY_TINY_SWEEP]
+    fitted, _ = fit_linear_cost_model(samples, token_knots=(1, 4, 16, 64))
+    assert fitted.token_knot_s[0] > 0
+    assert all(t >= fitted.token_knot_s[0] for t in fitted.token_knot_s)
+    assert all(fitted.step_time_s(s) > 0 for s, _ in samples)
+
+
 def test_nonnegative_fit_matches_a_brute_force_search():
     # Noisy data whose unconstrained least squares wants a negative slope.
     import itertools

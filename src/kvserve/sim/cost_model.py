@@ -282,8 +282,12 @@ def fit_linear_cost_model(samples: list[tuple[StepShape, float]], source: str = 
     place of the intercept and the per-prefill-token line: the model stays
     linear in its unknowns (each knot's time weighs in through linear
     interpolation), so it is the same least-squares problem with more
-    columns. Returns the model and fit statistics (r2, mean absolute
-    relative error, number of samples)."""
+    columns. No knot is fitted below the first: any step streams all the
+    weights at least once, so more tokens never cost less than one (the
+    unknowns are the first knot's time and each other knot's excess over
+    it, all >= 0). Without that, noisy steps could fit a knot at 0 s and
+    predict steps that take no time. Returns the model and fit statistics
+    (r2, mean absolute relative error, number of samples)."""
     import numpy as np
 
     knots = tuple(sorted(set(token_knots or ())))
@@ -307,7 +311,10 @@ def fit_linear_cost_model(samples: list[tuple[StepShape, float]], source: str = 
                "per_attention_pair_s": [s.attention_pairs for s in shapes]}
     x = np.array([columns[name] for name in line_features], dtype=float).T
     if knots:
-        x = np.hstack([_knot_weights(knots, [s.num_tokens for s in shapes]), x])
+        # curve = weights @ knot times; knot times = first + [0, excess...],
+        # and each row's weights sum to 1: curve = first + weights[:, 1:] @ excess.
+        weights = _knot_weights(knots, [s.num_tokens for s in shapes])
+        x = np.hstack([np.ones((len(shapes), 1)), weights[:, 1:], x])
     y = np.array([t for _, t in samples], dtype=float)
     if (y <= 0).any():
         raise ValueError("every timed step must take > 0 seconds")
@@ -323,9 +330,10 @@ def fit_linear_cost_model(samples: list[tuple[StepShape, float]], source: str = 
     stats = {"num_samples": len(samples), "r2": r2,
              "mean_abs_rel_error": float(np.mean(np.abs(residual) / y))}
     fitted = dict(zip(line_features, (float(c) for c in coef[len(knots):])))
+    knot_s = tuple(float(coef[0]) + (float(c) if i else 0.0) for i, c in enumerate(coef[:len(knots)]))
     model = LinearCostModel(**{name: fitted.get(name, 0.0) for name in LINEAR_FEATURES}, source=source,
                             engine=tuple(sorted((engine or {}).items())), token_knots=knots,
-                            token_knot_s=tuple(float(c) for c in coef[:len(knots)]))
+                            token_knot_s=knot_s)
     return model, stats
 
 

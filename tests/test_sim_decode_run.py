@@ -279,18 +279,7 @@ def test_a_run_extended_with_the_requests_it_started_goes_on_as_single_steps(see
     assert [r.request_id for r, _ in run.batch_at(4)] == \
         [r.request_id for r in sorted(single.running.values(), key=lambda r: (r.priority, r.arrival_time))]
     end_times = [multi_clock.now + 0.01 * (i - 3) for i in range(run.num_steps)]
-    run.schedule_step(4)
-    finished = run.apply_steps(run.num_steps - 1, end_times, run.num_steps - 1)
-    run.close()
-    single_finished = []
-    for i in range(4, run.num_steps):
-        single_clock.now = end_times[i]
-        out = step(single, None, NON_EOS)
-        assert [(c.request.request_id, c.start) for c in out.chunks] == \
-            [(r.request_id, start) for r, start in run.batch_at(i)]
-        single_finished += [(i, c.request.request_id) for c in out.chunks if c.request.is_finished]
-    assert _state(multi) == _state(single)
-    assert [(i, r.request_id) for i, r in finished] == single_finished
+    _finish_as_single_steps(run, 4, end_times, multi, single, single_clock)
     assert _finished(run.requests) == _finished(batch + [arrival])
 
 
@@ -350,11 +339,18 @@ def test_a_run_that_takes_in_many_newcomers_goes_on_as_single_steps(prefix_cachi
     assert len(run.requests) == 2 + num_arrivals
     assert any(r.is_finished for r in run.requests), "some newcomers must finish inside the run"
     end_times = [multi_clock.now + 0.01 * (i + 1 - num_arrivals) for i in range(run.num_steps)]
-    run.schedule_step(num_arrivals)
+    _finish_as_single_steps(run, num_arrivals, end_times, multi, single, single_clock)
+
+
+def _finish_as_single_steps(run, first: int, end_times, multi, single, single_clock) -> None:
+    """Apply the run's steps first..last at `end_times` in one call, and
+    single steps of `single` at the same times: the same batches, finishes
+    and end state."""
+    run.schedule_step(first)
     finished = run.apply_steps(run.num_steps - 1, end_times, run.num_steps - 1)
     run.close()
     single_finished = []
-    for i in range(num_arrivals, run.num_steps):
+    for i in range(first, run.num_steps):
         single_clock.now = end_times[i]
         out = step(single, None, NON_EOS)
         assert [(c.request.request_id, c.start) for c in out.chunks] == \

@@ -36,10 +36,7 @@ _EMPTY_HASHER = hashlib.blake2b(digest_size=DIGEST_BYTES)
 def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """Hash of one full block chained to its parent's hash."""
     # Fixed-width 32-bit encoding: unambiguous, and one C call per block.
-    h = _EMPTY_HASHER.copy()
-    h.update(parent)
-    h.update(array("I", token_ids).tobytes())
-    return h.digest()
+    return hash_encoded_block(parent, array("I", token_ids).tobytes())
 
 
 def hash_encoded_block(parent: bytes, encoded: bytes) -> bytes:

@@ -212,21 +212,9 @@ class KVCacheManager:
             self.cache_computed_blocks(request, num_computed_tokens, pending_token_id)
             return
         hashes = request.block_hashes
-        if len(hashes) > index:
-            block_hash = hashes[index]
-        else:
-            # Whether the block holds only the pending token (_request_hashes'
-            # decode-run case, inline): it lies past the prompt and its output
-            # tokens known so far, if any, equal it. The prompt is never
-            # empty, so such a block has a parent hash.
-            offset = index * size - len(request.prompt_token_ids)
-            known = request.output_token_ids[offset:offset + size] if offset >= 0 else None
-            if len(hashes) == index and known is not None and known.count(pending_token_id) == len(known):
-                block_hash = hash_encoded_block(hashes[-1], encoded_repeat(pending_token_id, size))
-                hashes.append(block_hash)
-            else:
-                block_hash = self._request_hashes(request, index + 1, pending_token_id)[index]
-        self.pool.cache_block(self._blocks[rid][index], block_hash)
+        if len(hashes) <= index:
+            hashes = self._request_hashes(request, index + 1, pending_token_id)
+        self.pool.cache_block(self._blocks[rid][index], hashes[index])
         self._num_cached_blocks[rid] = index + 1
 
     def free(self, request: Request) -> None:
@@ -257,11 +245,18 @@ class KVCacheManager:
         for start in range(len(hashes) * size, end, size):
             if start >= num_known:  # every token pending: a decode run's block
                 parent = hash_encoded_block(parent, encoded_repeat(pending_token_id, size))
-            else:
-                tokens = request.token_ids_slice(start, start + size)
-                if start + size > num_known:
-                    tokens += [pending_token_id] * (start + size - num_known)
-                parent = hash_block(parent, tokens)
+                hashes.append(parent)
+                continue
+            tokens = request.token_ids_slice(start, start + size)
+            if start + size > num_known:
+                if tokens.count(pending_token_id) == len(tokens):
+                    # Known tokens all the pending one, then pending ones: a
+                    # block of one repeated token (its encoding is cached).
+                    parent = hash_encoded_block(parent, encoded_repeat(pending_token_id, size))
+                    hashes.append(parent)
+                    continue
+                tokens += [pending_token_id] * (start + size - num_known)
+            parent = hash_block(parent, tokens)
             hashes.append(parent)
         return hashes
 

@@ -2,11 +2,13 @@
 reports: the same workload with it on and off gives identical per-request
 timestamps, outcomes, preemptions and admission decisions."""
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 
 from kvserve.bench.workload import LengthClass, LengthDist, WorkloadSpec, generate_requests
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
-from kvserve.scheduler.scheduler import DecodeRun, Scheduler
 from kvserve.sim.cost_model import LinearCostModel
 from kvserve.sim.simulator import AutoscaleConfig, SimConfig, Simulator
 
@@ -21,47 +23,17 @@ def _workload(num_requests, seed, cancel=0.0, **shape):
                              num_requests, seed=seed)
 
 
-@pytest.fixture(autouse=True)
-def decode_runs(monkeypatch):
-    """Counts the multi-step runs planned, so each test proves it used them."""
-    planned = []
-    plan = Scheduler.plan_decode_run
-
-    def counting(self, max_steps, token_id):
-        run = plan(self, max_steps, token_id)
-        if run is not None:
-            planned.append(run.num_steps)
-        return run
-    monkeypatch.setattr(Scheduler, "plan_decode_run", counting)
-    return planned
-
-
-@pytest.fixture(autouse=True)
-def joined_steps(monkeypatch):
-    """Counts the run steps that also started waiting requests (the step
-    after an arrival), so a test can prove it used them."""
-    joined = []
-    schedule = DecodeRun.schedule_step_with_waiting
-
-    def counting(self, step):
-        out = schedule(self, step)
-        if out is not None:
-            joined.append(len(out.chunks))
-        return out
-    monkeypatch.setattr(DecodeRun, "schedule_step_with_waiting", counting)
-    return joined
-
-
 def _simulate(config, specs, offsets, fast_forward, record_trace=True):
-    config = SimConfig(**{**config.__dict__, "fast_forward": fast_forward, "record_trace": record_trace})
+    config = dataclasses.replace(config, fast_forward=fast_forward, record_trace=record_trace)
     sim = Simulator(config, COST)
     result = sim.run(specs, offsets)
     # What each replica's admission controller measured from the steps
     # (an untraced run feeds a run's steps at once).
-    result.step_models = [None if r.admission is None else
-                          (r.admission.step_model.fit(), r.admission.step_model.mean_step_s,
-                           r.admission.step_model.mean_decode_seqs) for r in sim.replicas]
-    return result
+    step_models = [None if r.admission is None else
+                   (r.admission.step_model.fit(), r.admission.step_model.mean_step_s,
+                    r.admission.step_model.mean_decode_seqs) for r in sim.replicas]
+    return SimpleNamespace(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)},
+                           step_models=step_models)
 
 
 def _admission_calls(result):
@@ -69,12 +41,12 @@ def _admission_calls(result):
             for trace in result.traces]
 
 
-def _compare(config, specs, offsets, decode_runs):
+def _compare(config, specs, offsets):
+    """(fast, slow, untraced fast) after checking they agree."""
     fast = _simulate(config, specs, offsets, True)
-    assert sum(n > 1 for n in decode_runs) >= 3, "the fast path must run multi-step decodes"
-    decode_runs.clear()
+    assert fast.num_decode_runs >= 3, "the fast path must run multi-step decodes"
     slow = _simulate(config, specs, offsets, False)
-    assert not decode_runs
+    assert slow.num_decode_runs == slow.num_joined_steps == 0
     assert fast.records == slow.records  # every timestamp, outcome, token count
     assert fast.replicas == slow.replicas  # steps, busy time, preemptions, prefix hits
     assert fast.num_steps == slow.num_steps and fast.duration_s == slow.duration_s
@@ -93,7 +65,7 @@ def _compare(config, specs, offsets, decode_runs):
     assert untraced.step_models == slow.step_models == fast.step_models
     assert untraced.num_steps == slow.num_steps and untraced.duration_s == slow.duration_s
     assert untraced.replica_timeline == slow.replica_timeline
-    return fast, slow
+    return fast, slow, untraced
 
 
 def _config(admission, num_blocks=400, num_replicas=1, router="least-queue", autoscale=None):
@@ -108,42 +80,42 @@ SHARING = {"num_prefix_groups": 3, "prefix_tokens": 48, "prefix_share": 0.6,
            "priorities": ((0, 0.7), (1, 0.3)), "tenants": (("a", 0.5), ("b", 0.5))}
 
 
-def test_fast_forward_is_exact_with_kv_pressure_and_preemptions(decode_runs):
+def test_fast_forward_is_exact_with_kv_pressure_and_preemptions():
     specs = _workload(150, seed=1, **SHARING)
     offsets = [i * 0.02 for i in range(len(specs))]
-    fast, slow = _compare(_config(None, num_blocks=60), specs, offsets, decode_runs)
+    fast, slow, _ = _compare(_config(None, num_blocks=60), specs, offsets)
     assert sum(r["num_preemptions"] for r in slow.replicas) > 0, "the workload must preempt"
     assert sum(r["prefix_cache_hits"] for r in slow.replicas) > 0
     assert all(r.outcome == "success" for r in slow.records)
 
 
-def test_fast_forward_is_exact_with_admission_refusals_and_timeouts(decode_runs):
+def test_fast_forward_is_exact_with_admission_refusals_and_timeouts():
     specs = _workload(300, seed=2, **SHARING)
     offsets = [i * 0.004 for i in range(len(specs))]
     admission = AdmissionConfig(max_queue_wait_s=0.3, max_queue_len=8, queue_timeout_s=0.5)
-    fast, slow = _compare(_config(admission, num_blocks=120), specs, offsets, decode_runs)
+    fast, slow, _ = _compare(_config(admission, num_blocks=120), specs, offsets)
     outcomes = {r.outcome for r in slow.records}
     assert {"rejected", "success"} <= outcomes
     assert sum(1 for e in fast.traces[0] if e[0] == "admission" and e[2] == "step_limits") < \
         sum(1 for e in slow.traces[0] if e[0] == "admission" and e[2] == "step_limits"), "runs must happen"
 
 
-def test_fast_forward_is_exact_across_replicas_with_cancels_and_autoscale(decode_runs, joined_steps):
+def test_fast_forward_is_exact_across_replicas_with_cancels_and_autoscale():
     specs = _workload(400, seed=3, cancel=0.2)
     offsets = [i * 0.01 for i in range(len(specs))]
     autoscale = AutoscaleConfig(max_replicas=4, interval_s=0.5, cold_start_s=1.0)
-    fast, slow = _compare(_config(AdmissionConfig(max_queue_wait_s=0.5), num_blocks=150, num_replicas=2,
-                                  autoscale=autoscale), specs, offsets, decode_runs)
+    _, slow, untraced = _compare(_config(AdmissionConfig(max_queue_wait_s=0.5), num_blocks=150, num_replicas=2,
+                                         autoscale=autoscale), specs, offsets)
     assert {"cancelled", "success"} <= {r.outcome for r in slow.records}
     assert len(slow.replica_timeline) > 1
-    assert sum(n > 0 for n in joined_steps) >= 3, "arrivals must start beside a run's decodes"
+    assert untraced.num_joined_steps >= 3, "arrivals must start beside a run's decodes"
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_fast_forward_is_exact_for_light_steady_traffic(seed, decode_runs, joined_steps):
+def test_fast_forward_is_exact_for_light_steady_traffic(seed):
     # Light load: long decode runs, ended early by arrivals, each arrival's
     # prompt started beside the run's decodes in one more step of the run.
     specs = _workload(80, seed=10 + seed)
     offsets = [i * 0.15 for i in range(len(specs))]
-    _compare(_config(AdmissionConfig(), num_replicas=3, router="round-robin"), specs, offsets, decode_runs)
-    assert sum(n > 0 for n in joined_steps) >= 3
+    _, _, untraced = _compare(_config(AdmissionConfig(), num_replicas=3, router="round-robin"), specs, offsets)
+    assert untraced.num_joined_steps >= 3

@@ -94,6 +94,7 @@ class BlockPool:
             popitem, by_hash = evictable.popitem, self._by_hash
             for _ in range(num_blocks - num_from_free):
                 _, block = popitem(last=False)
+                assert block.block_hash is not None  # every evictable block is hashed
                 del by_hash[block.block_hash]
                 block.block_hash = None
                 out.append(block)
@@ -108,6 +109,7 @@ class BlockPool:
             block = self._free.pop()
         elif self._evictable:  # _evict_lru inline: a full cache's every decode block
             _, block = self._evictable.popitem(last=False)
+            assert block.block_hash is not None
             del self._by_hash[block.block_hash]
             block.block_hash = None
             self.num_evictions += 1
@@ -118,6 +120,7 @@ class BlockPool:
 
     def _evict_lru(self) -> KVBlock:
         _, block = self._evictable.popitem(last=False)
+        assert block.block_hash is not None
         del self._by_hash[block.block_hash]
         block.block_hash = None
         self.num_evictions += 1

@@ -241,21 +241,24 @@ class KVCacheManager:
         size = self.block_size
         parent = hashes[-1] if hashes else namespace_root(request.cache_namespace)
         end = num_blocks * size
-        num_known = end if pending_token_id is None else request.num_tokens
+        if pending_token_id is None:
+            num_known, pending = end, 0  # no position is pending: `pending` is never read
+        else:
+            num_known, pending = request.num_tokens, pending_token_id
         for start in range(len(hashes) * size, end, size):
             if start >= num_known:  # every token pending: a decode run's block
-                parent = hash_encoded_block(parent, encoded_repeat(pending_token_id, size))
+                parent = hash_encoded_block(parent, encoded_repeat(pending, size))
                 hashes.append(parent)
                 continue
             tokens = request.token_ids_slice(start, start + size)
             if start + size > num_known:
-                if tokens.count(pending_token_id) == len(tokens):
+                if tokens.count(pending) == len(tokens):
                     # Known tokens all the pending one, then pending ones: a
                     # block of one repeated token (its encoding is cached).
-                    parent = hash_encoded_block(parent, encoded_repeat(pending_token_id, size))
+                    parent = hash_encoded_block(parent, encoded_repeat(pending, size))
                     hashes.append(parent)
                     continue
-                tokens += [pending_token_id] * (start + size - num_known)
+                tokens += [pending] * (start + size - num_known)
             parent = hash_block(parent, tokens)
             hashes.append(parent)
         return hashes

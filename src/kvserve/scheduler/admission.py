@@ -274,10 +274,10 @@ class StepTimeModel:
         has_d, has_p = centred_dd > MIN_FACTOR_VARIANCE, centred_pp > MIN_FACTOR_VARIANCE
         per_decode_s, per_prefill_s = _nonnegative_slopes(
             has_d, has_p, centred_dd, centred_pp, centred_dp, centred_dy, centred_py)
-        explained_s = 0  # sum() of the identified factors' slope x mean, in factor order
-        if has_d:
+        explained_s = 0.0  # sum() of the identified factors' slope x mean, in factor order
+        if per_decode_s is not None:  # has_d
             explained_s = explained_s + per_decode_s * mean_d
-        if has_p:
+        if per_prefill_s is not None:  # has_p
             explained_s = explained_s + per_prefill_s * mean_p
         intercept_s = mean_y - explained_s
         if intercept_s < 0:
@@ -401,7 +401,7 @@ class AdmissionController:
         one sequence, not to max_num_seqs at once, so a burst cannot start
         before the next batch size is measured."""
         mean_seqs = self.step_model.mean_decode_seqs
-        if mean_seqs < 0.5:
+        if mean_seqs is None or mean_seqs < 0.5:
             return self.max_num_seqs
         if decode_step_s > budget_s:
             cap = math.floor(mean_seqs * budget_s / decode_step_s)
@@ -573,14 +573,15 @@ class AdmissionController:
         limit_s = self._wait_limit_s(request, now)
         wait_s, binding = self.expected_wait_s(request)
         cap = self.config.degrade_max_tokens
-        can_degrade = self.config.degrade_wait_s is not None and request.max_tokens > cap
+        degrade_wait_s = self.config.degrade_wait_s
+        can_degrade = degrade_wait_s is not None and request.max_tokens > cap
         if wait_s > limit_s:
             if can_degrade:
                 capped_wait_s, _ = self.expected_wait_s(request, cap)
                 if capped_wait_s <= limit_s:
                     return AdmissionDecision(DEGRADE, cap, expected_wait_s=capped_wait_s)
             return self._wait_refusal(request, wait_s, binding, limit_s)
-        if can_degrade and wait_s > self.config.degrade_wait_s:
+        if degrade_wait_s is not None and can_degrade and wait_s > degrade_wait_s:
             return AdmissionDecision(DEGRADE, cap, expected_wait_s=wait_s)
         return AdmissionDecision(ADMIT, request.max_tokens, expected_wait_s=wait_s)
 

@@ -191,7 +191,8 @@ class Scheduler:
         budget = self.max_batched_tokens
         running, kv, chunks = self.running, self.kv_cache, out.chunks
         by_urgency = sorted(running.values(), key=_urgency)
-        decodes, prefills = [], []
+        decodes: list[tuple[Request, int]] = []
+        prefills: list[tuple[Request, int]] = []
         for request in by_urgency:
             remaining = len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens
             (decodes if remaining == 1 else prefills).append((request, remaining))
@@ -635,7 +636,7 @@ class DecodeRun:
                 cache_next_block(requests[index], starts[index] + (step2 >> 1) + 1, token_id)
             else:
                 step = step2 >> 1
-                finished.append((step, self._update(index, step, end_times[step])))
+                finished.append((step, self._finish_request(index, step, end_times[step])))
         return finished
 
     def _allocate(self, index: int) -> None:
@@ -649,10 +650,14 @@ class DecodeRun:
         completed block (its tokens past the request's known ones are all
         the run's token), or bring it up to date and finish it. Returns it
         when it finished."""
-        request = self.requests[index]
         if self._last_step[index] != step:
-            self._kv.cache_next_block(request, self._start[index] + step + 1, self._token_id)
+            self._kv.cache_next_block(self.requests[index], self._start[index] + step + 1, self._token_id)
             return None
+        return self._finish_request(index, step, now)
+
+    def _finish_request(self, index: int, step: int, now: float) -> Request:
+        """Request `index` stops at the end of step `step`, its last."""
+        request = self.requests[index]
         self._sync(index, step + 1)
         self._kv.cache_computed_blocks(request)
         status = self._scheduler._stop_status(request, self._token_id)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -97,6 +97,14 @@ class RooflineCostModel:
     compute_efficiency: float = 0.5
     bandwidth_efficiency: float = 0.8
     step_overhead_s: float = 0.002
+    # Per-unit costs derived from the above in __post_init__ (the simulator
+    # asks for a step time millions of times an hour).
+    _flops_per_token: float = field(init=False, repr=False, compare=False)
+    _flops_per_pair: float = field(init=False, repr=False, compare=False)
+    _weight_bytes: int = field(init=False, repr=False, compare=False)
+    _kv_bytes_per_token: int = field(init=False, repr=False, compare=False)
+    _flops_per_s: float = field(init=False, repr=False, compare=False)
+    _bytes_per_s: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("compute_efficiency", "bandwidth_efficiency"):
@@ -106,7 +114,6 @@ class RooflineCostModel:
         if self.step_overhead_s < 0:
             raise ValueError("step_overhead_s must be >= 0")
         cfg = self.config
-        # Cached per-unit costs: the simulator calls step_time_s once per step.
         object.__setattr__(self, "_flops_per_token", 2.0 * cfg.num_parameters())
         object.__setattr__(self, "_flops_per_pair",
                            4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim)
@@ -128,7 +135,8 @@ class RooflineCostModel:
         per_token, per_pair = self._flops_per_token, self._flops_per_pair
         weights, per_kv = self._weight_bytes, self._kv_bytes_per_token
         flops_per_s, bytes_per_s, overhead = self._flops_per_s, self._bytes_per_s, self.step_overhead_s
-        ends, t = [], start_s
+        ends: list[float] = []
+        t = start_s
         append = ends.append
         for num_seqs, kv_tokens in shapes:  # millions of steps an hour: no calls but append
             if num_seqs:

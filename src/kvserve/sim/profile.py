@@ -72,6 +72,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="profile.json", help="where to write the profile JSON")
 
 
+class _RecordingScheduler:
+    """A scheduler that tells a _StepTimer the shape of each schedule() it
+    hands out, and is otherwise the scheduler it wraps. A wrapper, not a
+    replaced method: the compiled scheduler's methods cannot be replaced."""
+
+    def __init__(self, scheduler, timer: _StepTimer) -> None:
+        self._scheduler, self._timer = scheduler, timer
+
+    def schedule(self):
+        out = self._scheduler.schedule()
+        self._timer._last_shape = chunk_shape(out.chunks)
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self._scheduler, name)
+
+
 class _StepTimer:
     """Times `EngineCore.step()` and remembers the shape it ran."""
 
@@ -79,14 +96,13 @@ class _StepTimer:
         self.core = core
         self.samples: list[tuple[StepShape, float]] = []
         self._last_shape: StepShape | None = None
-        schedule = core.scheduler.schedule
+        # This one engine's scheduler behind a recorder: the step stays the
+        # real one.
+        core.scheduler = _RecordingScheduler(core.scheduler, self)
 
-        def recording_schedule():
-            out = schedule()
-            self._last_shape = chunk_shape(out.chunks)
-            return out
-        # Wrap this one engine's scheduler instance: the step stays the real one.
-        core.scheduler.schedule = recording_schedule
+    def close(self) -> None:
+        """Give the engine its own scheduler back."""
+        self.core.scheduler = self.core.scheduler._scheduler
 
     def step(self, timed: bool) -> None:
         start = time.perf_counter()
@@ -162,7 +178,7 @@ def time_engine_steps(core, grid: ProfileGrid) -> list[tuple[StepShape, float]]:
         if context + 1 >= core.max_model_len:
             raise ValueError(f"context {context} does not fit the model's {core.max_model_len} tokens")
         _measure_context(core, timer, rng, context, grid, deadline)
-    del core.scheduler.schedule  # drop the instance wrapper: the class method is back
+    timer.close()
     return timer.samples
 
 

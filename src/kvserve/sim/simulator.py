@@ -47,6 +47,7 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.bench.report import RequestRecord
 from kvserve.bench.workload import RequestSpec
@@ -167,7 +168,9 @@ class Replica:
         self.sim_clock = sim_clock  # the simulation's now, which `load` answers for
         self.scheduler = Scheduler(config.scheduler, config.cache, clock)
         self.trace: list[tuple] | None = [] if config.record_trace else None
-        self.admission = None if config.admission is None else AdmissionController(
+        # An AdmissionController, or a _Recorded one forwarding to it when
+        # tracing: Any, since the wrapper forwards by __getattr__.
+        self.admission: Any = None if config.admission is None else AdmissionController(
             config.admission, config.cache.num_blocks, config.cache.block_size,
             config.scheduler.max_num_seqs, clock)
         if self.admission is not None and self.trace is not None:
@@ -192,6 +195,9 @@ class Replica:
         self.started_ids: set[str] = set()
         self.num_steps = 0
         self.busy_s = 0.0
+        # How much of the work the fast path took (results never depend on it).
+        self.num_decode_runs = 0  # multi-step runs planned
+        self.num_joined_steps = 0  # run steps that also started waiting requests
 
     @property
     def busy(self) -> bool:
@@ -260,6 +266,8 @@ class SimResult:
     replica_timeline: list[tuple[float, int]]  # (time, replicas started so far)
     num_steps: int
     traces: list[list[tuple]] | None = None
+    num_decode_runs: int = 0  # the fast path's share: see Replica
+    num_joined_steps: int = 0
 
 
 def _plan_next_run(replica: Replica, steps_used: int, ended_by_event: bool) -> None:
@@ -299,7 +307,8 @@ class Simulator:
         self.router = Router(config.router)
         self.replicas = [Replica(i, config, VirtualClock(), 0.0, self.clock) for i in range(config.num_replicas)]
         self.timeline: list[tuple[float, int]] = [(0.0, config.num_replicas)]
-        self._events: list[tuple[float, int, int, object]] = []
+        # (time, sequence, kind, payload): the payload's type depends on the kind.
+        self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self._live: dict[str, _Live] = {}
         self._records: list[RequestRecord] = []
@@ -340,7 +349,10 @@ class Simulator:
         return SimResult(sorted(self._records, key=lambda r: r.index), self.clock.now_s,
                          [r.stats() for r in self.replicas], self.timeline,
                          sum(r.num_steps for r in self.replicas),
-                         [r.trace for r in self.replicas] if self.config.record_trace else None)
+                         [r.trace for r in self.replicas if r.trace is not None]
+                         if self.config.record_trace else None,
+                         sum(r.num_decode_runs for r in self.replicas),
+                         sum(r.num_joined_steps for r in self.replicas))
 
     def _loop(self, specs: list[RequestSpec], offsets_s: list[float]) -> None:
         next_arrival = 0
@@ -362,11 +374,11 @@ class Simulator:
         replica.step_event_id += 1
         self._push(t_s, _STEP_DONE, (replica, replica.step_event_id))
 
-    def _push(self, t_s: float, kind: int, payload: object) -> None:
+    def _push(self, t_s: float, kind: int, payload: Any) -> None:
         self._seq += 1
         heapq.heappush(self._events, (t_s, self._seq, kind, payload))
 
-    def _handle(self, kind: int, payload: object, more_arrivals: bool) -> None:
+    def _handle(self, kind: int, payload: Any, more_arrivals: bool) -> None:
         if kind == _STEP_DONE:
             replica = payload[0]
             if replica.run is not None:
@@ -495,7 +507,8 @@ class Simulator:
 
     def _finish_step(self, replica: Replica) -> None:
         now = replica.clock.now_s
-        out = replica.in_flight
+        out, shape = replica.in_flight, replica.in_flight_shape
+        assert out is not None and shape is not None
         sampled = {c.request.request_id: SIM_TOKEN_ID for c in out.chunks if c.samples}
         self._log(replica, ("update", now))
         progressed = replica.scheduler.update(out, sampled)
@@ -505,7 +518,6 @@ class Simulator:
         if replica.admission is not None:
             # The step's decode sequences and prefill tokens, by the one
             # rule (ScheduledChunk.is_decode) chunk_shape counts them with.
-            shape = replica.in_flight_shape
             replica.admission.observe_step(shape.num_decode_seqs, shape.num_prefill_tokens, step_s)
         for request in progressed:
             if request.is_finished:
@@ -526,6 +538,7 @@ class Simulator:
         run = scheduler.plan_decode_run(replica.run_steps_planned, SIM_TOKEN_ID)
         if run is None or run.num_steps < 2:
             return False
+        replica.num_decode_runs += 1
         end_times = decode_step_ends_s(self.cost_model, replica.clock.now_s,
                                        run.step_shapes(0, replica.run_steps_timed))
         replica.run, replica.run_end_times, replica.run_next_update = run, end_times, 0
@@ -541,6 +554,7 @@ class Simulator:
         whole batch, when the batch is steady and at least two planned steps
         are left. Otherwise the run closes (False)."""
         run, step = replica.run, replica.run_next_update
+        assert run is not None
         if run.extend(step) and run.num_steps - step >= 2:
             end_times = replica.run_end_times
             del end_times[step:]
@@ -555,11 +569,13 @@ class Simulator:
         return False
 
     def _schedule_run_step(self, replica: Replica, step: int) -> None:
-        replica.run.schedule_step(step)
+        run = replica.run
+        assert run is not None
+        run.schedule_step(step)
         if replica.trace is not None:
             sched = replica.scheduler
             replica.trace.append(("schedule", replica.clock.now_s, (sched.max_running, sched.max_batched_tokens),
-                                  [(r.request_id, start, 1, True) for r, start in replica.run.batch_at(step)],
+                                  [(r.request_id, start, 1, True) for r, start in run.batch_at(step)],
                                   []))
 
     def _update_run_steps(self, replica: Replica, last: int) -> None:
@@ -572,6 +588,7 @@ class Simulator:
             return
         run, end_times, clock = replica.run, replica.run_end_times, replica.clock
         admission, trace = replica.admission, replica.trace
+        assert run is not None
         step = replica.run_next_update
         started_s = end_times[step - 1] if step else replica.run_started_s
         for step in range(step, last + 1):
@@ -598,6 +615,7 @@ class Simulator:
         once (the same sums, in step order), and each finish is reported at
         its step's end as a single step would."""
         run, end_times, admission = replica.run, replica.run_end_times, replica.admission
+        assert run is not None
         first = replica.run_next_update
         finished = run.apply_steps(last, end_times, replica.run_last_step)
         replica.run_next_update = last + 1
@@ -633,10 +651,11 @@ class Simulator:
     def _end_run_early(self, replica: Replica) -> None:
         """Before an abort changes the replica's batch: its run's in-flight
         step becomes an ordinary in-flight step."""
-        if replica.run is None:
+        run = replica.run
+        if run is None:
             return
         step = replica.run_next_update
-        out = replica.run.in_flight_output(step)
+        out = run.in_flight_output(step)
         if replica.in_flight is None:
             _plan_next_run(replica, step + 1 - replica.run_first_step, True)
         else:  # a joined step (_join_waiting): the started requests' chunks follow the decodes
@@ -655,13 +674,15 @@ class Simulator:
         if replica.run_last_step >= len(replica.run_end_times):
             self._time_more_run_steps(replica)
             return
-        if replica.run_last_step == replica.run.num_steps - 1:
-            _plan_next_run(replica, replica.run.num_steps - replica.run_first_step, False)
+        run = replica.run
+        assert run is not None
+        if replica.run_last_step == run.num_steps - 1:
+            _plan_next_run(replica, run.num_steps - replica.run_first_step, False)
         if replica.run_next_update <= replica.run_last_step:
             self._update_run_steps(replica, replica.run_last_step)
         if self._join_waiting(replica):
             return
-        replica.run.close()
+        run.close()
         replica.run = None
         self._start_step(replica)
 
@@ -671,9 +692,10 @@ class Simulator:
         a time (a cost-model call per step), as most runs end early, at the
         next arrival. The end times are those of timing all steps at once
         (each adds its step time to the previous end)."""
-        known, end_times = len(replica.run_end_times), replica.run_end_times
+        known, end_times, run = len(replica.run_end_times), replica.run_end_times, replica.run
+        assert run is not None
         end_times += decode_step_ends_s(self.cost_model, end_times[-1],
-                                        replica.run.step_shapes(known, known + replica.run_steps_timed))
+                                        run.step_shapes(known, known + replica.run_steps_timed))
         self._push_step_done(replica, end_times[-1])
 
     def _join_waiting(self, replica: Replica) -> bool:
@@ -688,6 +710,7 @@ class Simulator:
         single steps), the step must lie inside the run, someone must be
         waiting, and the token budget must hold every decode."""
         run, step, scheduler = replica.run, replica.run_last_step + 1, replica.scheduler
+        assert run is not None
         if replica.trace is not None or step >= run.num_steps or not len(scheduler.waiting):
             return False
         now = replica.clock.now_s
@@ -697,6 +720,7 @@ class Simulator:
         out = run.schedule_step_with_waiting(step)
         if out is None:
             return False
+        replica.num_joined_steps += bool(out.chunks)
         self._report_started(replica, out.chunks)
         # chunk_shape of the whole step: the run's decodes (each reads its
         # context + 1 tokens and, computing one query, attends as many
@@ -718,6 +742,7 @@ class Simulator:
         """The end of a step _join_waiting started: what _finish_step does
         for it, the decodes' part applied by the run."""
         run, step, out, shape = replica.run, replica.run_last_step, replica.in_flight, replica.in_flight_shape
+        assert run is not None and out is not None and shape is not None
         now = replica.run_end_times[step]
         finished = run.apply_steps(step, replica.run_end_times, step)  # the decodes' updates first
         replica.run_next_update = step + 1
@@ -788,6 +813,7 @@ class Simulator:
     # -- scale-out ---------------------------------------------------------
     def _autoscale(self, more_arrivals: bool) -> None:
         rule = self.config.autoscale
+        assert rule is not None  # the event is pushed only with autoscaling on
         now = self.clock.now_s
         ready = [r for r in self.replicas if r.ready_s <= now]
         for r in ready:

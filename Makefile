@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PIP     := $(BIN)/pip
 ARGS    ?=
 
-.PHONY: install serve test test-slow bench clean
+.PHONY: install serve test test-slow bench compile test-compiled clean-compiled clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -31,5 +31,20 @@ test-slow: install
 bench: install
 	for script in benchmarks/*.py; do $(BIN)/python $$script || exit 1; done
 
-clean:
+# The optional compiled core (src/kvserve/compiled/): the scheduler, KV cache
+# and simulator built in place by mypyc, about 2x faster `kvserve simulate`.
+# A source edited after this goes back to pure Python until the next compile.
+compile: install
+	$(PIP) install -q -e '.[test,compile]'
+	$(BIN)/python -m kvserve.compiled build
+
+# The whole suite again on the compiled core (the test named
+# test_required_core_is_in_use fails if it is not the one in use).
+test-compiled: compile
+	KVSERVE_REQUIRE_COMPILED=1 $(BIN)/python -m pytest $(ARGS)
+
+clean-compiled:
+	-test -x $(BIN)/python && $(BIN)/python -m kvserve.compiled clean
+
+clean: clean-compiled
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

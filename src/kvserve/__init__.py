@@ -1,6 +1,12 @@
 """kvserve: an LLM inference server whose unit of capacity is the KV cache."""
 
-from kvserve.contract import SamplingParams
+from kvserve import compiled
+
+# Before anything imports a module that may be compiled: decides whether its
+# extension module or its source serves it (kvserve/compiled.py).
+compiled.activate()
+
+from kvserve.contract import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams"]
 __version__ = "0.1.0"

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from kvserve import compiled
 from kvserve.bench import cli as bench_cli
 from kvserve.bench.report import SLO, build_report, format_table, parse_slo, write_report
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig, parse_size
@@ -218,7 +219,8 @@ def simulate_once(args: argparse.Namespace, config: SimConfig, cost_model: CostM
         "router": config.router, "replicas": result.replicas,
         "replica_timeline": [list(p) for p in result.replica_timeline],
         "num_steps": result.num_steps, "simulated_s": result.duration_s, "wall_s": wall_s,
-        "exact_token_events": exact, "requests_sampled_every": 1, "requests_omitted": 0}
+        "exact_token_events": exact, "requests_sampled_every": 1, "requests_omitted": 0,
+        "core": compiled.status()["core"]}
     rows_every = report_rows_every(len(result.records))
     if rows_every > 1:
         run_config["simulation"]["requests_sampled_every"] = rows_every
@@ -250,6 +252,7 @@ def _format_simulation(sim: dict) -> str:
     kind = sim["cost_model"]["kind"]
     return (f"simulated {sim['simulated_s']:.1f} s on {len(replicas)} replica(s) "
             f"({kind} cost model, {sim['num_blocks']} KV blocks each, router {sim['router']}, "
-            f"admission {'on' if sim['admission'] else 'off'}) in {sim['wall_s']:.1f} s wall: "
+            f"admission {'on' if sim['admission'] else 'off'}) in {sim['wall_s']:.1f} s wall "
+            f"(core: {sim.get('core', 'pure Python')}): "
             f"{sim['num_steps']} steps, {preemptions} preemptions, prefix hits "
             f"{hits / queries if queries else 0:.1%} of prompt tokens")

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from types import SimpleNamespace
+from typing import Any
+
+from mypy_extensions import mypyc_attr
 
 # Bounds on user-supplied stop strings: each one is checked against the tail
 # of the generated text after every token, so they must stay small.
@@ -46,6 +50,11 @@ def finish_reason(status: RequestStatus) -> str | None:
     return FINISH_REASONS.get(status)
 
 
+# A plain Python class also when kvserve is compiled (kvserve/compiled): it
+# takes whatever a caller passes (a list for a tuple, a string for an int)
+# and names the wrong field, where a compiled class would refuse the type
+# before its own checks run.
+@mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request. Validated at construction; a bad value raises
@@ -63,37 +72,42 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per output token
 
     def __post_init__(self) -> None:
+        # The fields as given, untyped: only the checks below make them what
+        # the annotations say (compiled code would check a typed read first).
+        given: Any = SimpleNamespace(**vars(self))
         # Accept any iterable (lists from JSON, a bare string) and store tuples
         # so the params stay hashable and immutable.
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        self._validate()
+        given.stop = (given.stop,) if isinstance(given.stop, str) else tuple(given.stop or ())
+        given.stop_token_ids = tuple(given.stop_token_ids or ())
+        self._validate(given)
+        object.__setattr__(self, "stop", given.stop)
+        object.__setattr__(self, "stop_token_ids", given.stop_token_ids)
 
-    def _validate(self) -> None:
-        _require(_is_int(self.max_tokens) and self.max_tokens >= 1,
-                 "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        _require(_is_number(self.temperature) and self.temperature >= 0,
-                 "temperature", f"must be >= 0, got {self.temperature!r}")
-        _require(_is_number(self.top_p) and 0 < self.top_p <= 1,
-                 "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        _require(_is_int(self.top_k) and self.top_k >= 0,
-                 "top_k", f"must be an integer >= 0 (0 disables), got {self.top_k!r}")
-        _require(self.seed is None or _is_int(self.seed),
-                 "seed", f"must be an integer or null, got {self.seed!r}")
-        _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-                 "min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")
-        _require(len(self.stop) <= MAX_STOP_STRINGS,
-                 "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        for s in self.stop:
+    @staticmethod
+    def _validate(given: Any) -> None:
+        _require(_is_int(given.max_tokens) and given.max_tokens >= 1,
+                 "max_tokens", f"must be an integer >= 1, got {given.max_tokens!r}")
+        _require(_is_number(given.temperature) and given.temperature >= 0,
+                 "temperature", f"must be >= 0, got {given.temperature!r}")
+        _require(_is_number(given.top_p) and 0 < given.top_p <= 1,
+                 "top_p", f"must be in (0, 1], got {given.top_p!r}")
+        _require(_is_int(given.top_k) and given.top_k >= 0,
+                 "top_k", f"must be an integer >= 0 (0 disables), got {given.top_k!r}")
+        _require(given.seed is None or _is_int(given.seed),
+                 "seed", f"must be an integer or null, got {given.seed!r}")
+        _require(_is_int(given.min_tokens) and 0 <= given.min_tokens <= given.max_tokens,
+                 "min_tokens", f"must be an integer in [0, max_tokens], got {given.min_tokens!r}")
+        _require(len(given.stop) <= MAX_STOP_STRINGS,
+                 "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(given.stop)}")
+        for s in given.stop:
             _require(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS,
                      "stop", f"each stop string must be 1..{MAX_STOP_STRING_CHARS} characters")
-        _require(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+        _require(len(given.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
                  "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
-        _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+        _require(all(_is_int(t) and t >= 0 for t in given.stop_token_ids),
                  "stop_token_ids", "must be non-negative integers")
-        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-                 "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.logprobs!r}")
+        _require(given.logprobs is None or (_is_int(given.logprobs) and 0 <= given.logprobs <= MAX_LOGPROBS),
+                 "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or null, got {given.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

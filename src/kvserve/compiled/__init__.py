@@ -33,11 +33,8 @@ from pathlib import Path
 # The modules the simulator's hot loop runs, in dependency order. Each must
 # type-check under mypy (mypyc compiles nothing else) and stay importable as
 # plain Python.
-#
-# Not contract.py: SamplingParams validates whatever a caller passes (a list
-# for a tuple, a string for an int) and says which field is wrong, where a
-# compiled class would refuse the wrong type before its checks run.
 COMPILED_MODULES = (
+    "kvserve.contract",  # Request; SamplingParams stays a Python class (see there)
     "kvserve.kv_cache.hashing",
     "kvserve.kv_cache.block_pool",
     "kvserve.kv_cache.manager",

@@ -23,50 +23,51 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from kvserve.config import AdmissionConfig
 
-ADMIT = "admit"
-DEGRADE = "degrade"
-REJECT = "reject"
+# Constants are Final: the compiled core (kvserve/compiled) inlines them.
+ADMIT: Final = "admit"
+DEGRADE: Final = "degrade"
+REJECT: Final = "reject"
 
 # Reasons a request is refused or ended before starting (OpenAI error `code`).
-KV_CACHE = "kv_cache"
-QUEUE_FULL = "queue_full"
-TENANT_QUOTA = "tenant_quota"
-RETRY_BUDGET = "retry_budget"
-NEVER_FITS = "never_fits"
-DEADLINE = "deadline"
-QUEUE_TIMEOUT = "queue_timeout"
+KV_CACHE: Final = "kv_cache"
+QUEUE_FULL: Final = "queue_full"
+TENANT_QUOTA: Final = "tenant_quota"
+RETRY_BUDGET: Final = "retry_budget"
+NEVER_FITS: Final = "never_fits"
+DEADLINE: Final = "deadline"
+QUEUE_TIMEOUT: Final = "queue_timeout"
 
-TPM_WINDOW_S = 60.0
+TPM_WINDOW_S: Final = 60.0
 # A drain rate measured over less busy time than this is noise.
-MIN_MEASURED_BUSY_S = 0.05
+MIN_MEASURED_BUSY_S: Final = 0.05
 # Waits predicted shorter than this calibrate the fixed start latency; longer
 # ones the multiplicative error of the drain model.
-SHORT_WAIT_S = 0.05
-CALIBRATION_WEIGHT = 0.1  # EWMA weight of one observed start
-MAX_WAIT_CORRECTION = 4.0
+SHORT_WAIT_S: Final = 0.05
+CALIBRATION_WEIGHT: Final = 0.1  # EWMA weight of one observed start
+MAX_WAIT_CORRECTION: Final = 4.0
 
 # The step limits keep a step at this share of the TPOT target, leaving room
 # for the fit's error and for the minimum prefill chunk.
-TPOT_HEADROOM = 0.9
+TPOT_HEADROOM: Final = 0.9
 # Prefill tokens a step may always carry, even when the decodes fill the step
 # budget: otherwise a full batch would stall every waiting prompt (TTFT grows
 # without bound). At least one KV block, so each chunk completes a block the
 # prefix cache can register.
-MIN_PREFILL_CHUNK_TOKENS = 16
+MIN_PREFILL_CHUNK_TOKENS: Final = 16
 # Fewer measured steps (decayed count) than this would fit three
 # coefficients to the noise of the first few shapes.
-MIN_FIT_STEPS = 8
+MIN_FIT_STEPS: Final = 8
 # A factor whose (decayed) variance is below this never varied: its slope is
 # not identified by the steps seen (counts are integers, so real variation is
 # far above it).
-MIN_FACTOR_VARIANCE = 1e-3
+MIN_FACTOR_VARIANCE: Final = 1e-3
 # Decode seqs and prefill tokens count as collinear when their correlation^2
 # exceeds 1 - this.
-COLLINEAR_TOLERANCE = 1e-6
+COLLINEAR_TOLERANCE: Final = 1e-6
 
 
 @dataclass(frozen=True, slots=True)

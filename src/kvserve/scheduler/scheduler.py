@@ -32,7 +32,7 @@ import operator
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.contract import Request, RequestStatus
@@ -104,7 +104,8 @@ class SchedulerStats(NamedTuple):
 # preemption victim. (A C-level getter: it runs for every running request
 # at every step.)
 _urgency = operator.attrgetter("priority", "arrival_time")
-_RUNNING = RequestStatus.RUNNING
+# Final: the compiled core (kvserve/compiled) reads it without a module dict lookup.
+_RUNNING: Final = RequestStatus.RUNNING
 
 
 class Scheduler:
@@ -319,13 +320,13 @@ class Scheduler:
         and free requests that stop. Returns the requests that received a token."""
         now = self.clock()
         progressed = []
-        cache_computed_blocks = self.kv_cache.cache_computed_blocks
+        kv_cache = self.kv_cache
         for chunk in output.chunks:  # every running request, every step: locals, no properties
             request = chunk.request
             if request.status != _RUNNING:
                 continue  # finished from outside between schedule and update
             request.num_computed_tokens = chunk.start + chunk.num_new_tokens
-            cache_computed_blocks(request)
+            kv_cache.cache_computed_blocks(request)  # a direct call when compiled (kvserve/compiled)
             if not chunk.samples:
                 continue
             token_id = sampled_token_ids[request.request_id]
@@ -625,15 +626,15 @@ class DecodeRun:
         finished = []
         # _allocate and _update inline (the hot loop of a simulated hour).
         requests, starts, last_steps = self.requests, self._start, self._last_step
-        append_block, cache_next_block = self._kv.append_block, self._kv.cache_next_block
+        kv = self._kv  # its methods called through it: direct calls when compiled (kvserve/compiled)
         token_id = self._token_id
         for key in events[lo:hi]:
             step2, index = divmod(key, n)
             if step2 & 1:  # the allocation for step (step2 + 1) / 2: one new block
-                if append_block(requests[index].request_id) is None:
+                if kv.append_block(requests[index].request_id) is None:
                     raise AssertionError("a planned decode step ran out of KV blocks")
             elif last_steps[index] != step2 >> 1:  # a completed block
-                cache_next_block(requests[index], starts[index] + (step2 >> 1) + 1, token_id)
+                kv.cache_next_block(requests[index], starts[index] + (step2 >> 1) + 1, token_id)
             else:
                 step = step2 >> 1
                 finished.append((step, self._finish_request(index, step, end_times[step])))

@@ -47,7 +47,7 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from kvserve.bench.report import RequestRecord
 from kvserve.bench.workload import RequestSpec
@@ -61,9 +61,13 @@ from kvserve.sim.router import Router
 
 # The token every simulated step "samples": any id that is not EOS works,
 # since requests run with ignore_eos.
-SIM_TOKEN_ID = 1
-SIM_EOS_TOKEN_ID = 0
-_STEP_DONE, _CANCEL, _AUTOSCALE = 0, 1, 2
+# Final: the compiled core (kvserve/compiled) inlines Final constants
+# instead of looking them up in the module's dict at every use.
+SIM_TOKEN_ID: Final = 1
+SIM_EOS_TOKEN_ID: Final = 0
+_STEP_DONE: Final = 0
+_CANCEL: Final = 1
+_AUTOSCALE: Final = 2
 # Decode run lengths: a run ended early (the next arrival at its replica)
 # wastes the planning of its remaining steps, one ended by its length costs
 # a new plan of the whole batch (far more than a step). Each replica plans
@@ -71,8 +75,9 @@ _STEP_DONE, _CANCEL, _AUTOSCALE = 0, 1, 2
 # the gaps between arrivals vary too much to follow the last one) and times
 # them (a cost-model call per step) a stretch of about three quarters of
 # that mean at a time, within these bounds.
-MIN_RUN_STEPS, MAX_RUN_STEPS = 8, 512
-RUN_LENGTH_DECAY = 0.8
+MIN_RUN_STEPS: Final = 8
+MAX_RUN_STEPS: Final = 512
+RUN_LENGTH_DECAY: Final = 0.8
 
 
 class VirtualClock:

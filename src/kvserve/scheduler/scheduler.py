@@ -471,7 +471,8 @@ class DecodeRun:
             return max_steps  # frees only add: every step fits
         events, n, last_steps = self._events, self._n, self._last_step
         for key in events:
-            step2, index = divmod(key, n)
+            step2 = key // n  # divmod(), without its tuple (native ints when compiled)
+            index = key - step2 * n
             if step2 & 1:  # an allocation for step (step2 + 1) / 2
                 if available == 0:
                     num_steps = (step2 + 1) >> 1
@@ -629,7 +630,8 @@ class DecodeRun:
         kv = self._kv  # its methods called through it: direct calls when compiled (kvserve/compiled)
         token_id = self._token_id
         for key in events[lo:hi]:
-            step2, index = divmod(key, n)
+            step2 = key // n  # divmod(), without its tuple (native ints when compiled)
+            index = key - step2 * n
             if step2 & 1:  # the allocation for step (step2 + 1) / 2: one new block
                 if kv.append_block(requests[index].request_id) is None:
                     raise AssertionError("a planned decode step ran out of KV blocks")

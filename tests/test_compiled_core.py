@@ -64,8 +64,11 @@ def test_why_not_compiled_names_each_reason(tmp_path, monkeypatch):
     _copy_sources(tmp_path)
     assert why_not_compiled(tmp_path) == "not built; make compile builds it"
     _write_manifest(tmp_path)
+    assert why_not_compiled(tmp_path) == f"its shared library {GROUP_NAME}__mypyc is missing"
+    # Stand-ins: only their presence is checked.
+    (tmp_path / f"{GROUP_NAME}__mypyc{EXTENSION_SUFFIX}").touch()
     assert why_not_compiled(tmp_path) == f"{COMPILED_MODULES[0]} has no compiled extension"
-    for name in COMPILED_MODULES:  # stand-ins: only their presence is checked
+    for name in COMPILED_MODULES:
         tmp_path.joinpath(*name.split(".")).with_name(name.rsplit(".", 1)[1] + EXTENSION_SUFFIX).touch()
     assert why_not_compiled(tmp_path) is None
     scheduler = tmp_path / "kvserve" / "scheduler" / "scheduler.py"
@@ -81,6 +84,9 @@ def test_why_not_compiled_names_each_reason(tmp_path, monkeypatch):
     assert why_not_compiled(tmp_path) == f"{PURE_PYTHON_ENV} is set"
     removed = clean(tmp_path)
     assert manifest_path(tmp_path) in removed and not list(tmp_path.rglob(f"*{EXTENSION_SUFFIX}"))
+    assert why_not_compiled(tmp_path) == f"{PURE_PYTHON_ENV} is set"
+    monkeypatch.delenv(PURE_PYTHON_ENV)
+    assert why_not_compiled(tmp_path) == "not built; make compile builds it"
 
 
 _REPORT_FILES = textwrap.dedent("""

@@ -89,10 +89,14 @@ class _PreferSource(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_file_location(fullname, _source(fullname, self.root))
 
 
+def _pure_python_asked() -> bool:
+    return os.environ.get(PURE_PYTHON_ENV, "") not in ("", "0")
+
+
 def why_not_compiled(root: Path = SOURCE_ROOT) -> str | None:
     """None when the compiled core under `root` is built and matches its
     sources; otherwise the reason it cannot be used."""
-    if os.environ.get(PURE_PYTHON_ENV, "") not in ("", "0"):
+    if _pure_python_asked():
         return f"{PURE_PYTHON_ENV} is set"
     path = manifest_path(root)
     if not path.is_file():
@@ -104,6 +108,8 @@ def why_not_compiled(root: Path = SOURCE_ROOT) -> str | None:
         return f"unreadable {path}: {exc}"
     if manifest.get("python") != sys.implementation.cache_tag:
         return f"built for {manifest.get('python')}, running {sys.implementation.cache_tag}"
+    if not any(root.glob(f"{GROUP_NAME}__mypyc*{EXTENSION_SUFFIX}")):
+        return f"its shared library {GROUP_NAME}__mypyc is missing"
     for module in COMPILED_MODULES:
         if not _extension(module, root).is_file():
             return f"{module} has no compiled extension"
@@ -124,7 +130,7 @@ def activate(root: Path = SOURCE_ROOT) -> None:
     _status.update(compiled=False, reason=reason)
     if any(_extension(m, root).is_file() for m in COMPILED_MODULES):
         sys.meta_path.insert(0, _PreferSource(root))
-        if "changed since" in reason or "built for" in reason:
+        if not _pure_python_asked():  # a build is there but cannot serve: say so
             warnings.warn(f"kvserve: compiled core not used, {reason}", RuntimeWarning, stacklevel=2)
 
 

@@ -60,8 +60,9 @@ def build(root: Path = SOURCE_ROOT) -> None:
         # apart from this one, which may have the old core loaded.
         env = {**os.environ, PURE_PYTHON_ENV: "1"}
         done = subprocess.run([sys.executable, "-c", _SETUP, build_dir, GROUP_NAME, *arguments],
-                              cwd=root, env=env)
-        if done.returncode != 0:
+                              cwd=root, env=env, capture_output=True, text=True)
+        if done.returncode != 0:  # the compiler's log only when it failed
+            sys.stderr.write(done.stdout[-20000:] + done.stderr[-20000:])
             clean(root)
             raise SystemExit(f"kvserve: mypyc failed (exit {done.returncode}); the sources stay in use")
     manifest = {"python": sys.implementation.cache_tag, "sources": digests,

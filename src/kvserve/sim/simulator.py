@@ -59,10 +59,11 @@ from kvserve.scheduler.scheduler import DecodeRun, Scheduler, SchedulerOutput
 from kvserve.sim.cost_model import CostModel, StepShape, chunk_shape, decode_step_ends_s
 from kvserve.sim.router import Router
 
+# Constants are Final: the compiled core (kvserve/compiled) inlines them
+# instead of looking them up in the module's dict at every use.
+#
 # The token every simulated step "samples": any id that is not EOS works,
 # since requests run with ignore_eos.
-# Final: the compiled core (kvserve/compiled) inlines Final constants
-# instead of looking them up in the module's dict at every use.
 SIM_TOKEN_ID: Final = 1
 SIM_EOS_TOKEN_ID: Final = 0
 _STEP_DONE: Final = 0

@@ -3,7 +3,7 @@
 from kvserve import compiled
 
 # Before anything imports a module that may be compiled: decides whether its
-# extension module or its source serves it (kvserve/compiled.py).
+# extension module or its source serves it (kvserve/compiled/).
 compiled.activate()
 
 from kvserve.contract import SamplingParams  # noqa: E402

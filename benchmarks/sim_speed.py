@@ -25,6 +25,7 @@ import os
 import pstats
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -118,11 +119,12 @@ def main() -> int:
 def compare_cores(args: argparse.Namespace) -> int:
     """Both cores on the same simulation, alternating (pure, compiled, pure,
     ...) so that the machine's drift falls on both."""
-    if compiled.why_not_compiled() is not None:
-        print(f"the compiled core is not usable: {compiled.why_not_compiled()}", file=sys.stderr)
+    reason = compiled.why_not_compiled()
+    if reason is not None:
+        print(f"the compiled core is not usable: {reason}", file=sys.stderr)
         return 2
     runs = []
-    out = Path("/tmp") / f"sim_speed_{os.getpid()}.json"
+    out = Path(tempfile.mkdtemp(prefix="sim_speed_")) / "run.json"
     for repeat in range(args.repeat):
         for pure in (True, False):
             env = {**os.environ}
@@ -134,6 +136,7 @@ def compare_cores(args: argparse.Namespace) -> int:
             subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
             runs.append({"repeat": repeat, **json.loads(out.read_text())})
     out.unlink()
+    out.parent.rmdir()
     print(f"\n{args.seconds:.0f} simulated s at {args.rate} req/s on {args.replicas} x H100, alternating:")
     print(f"| run | core | simulation s | total s | hour estimate s |\n|---|---|---|---|---|")
     for run in runs:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import kvserve
-from kvserve.compiled import (COMPILED_MODULES, EXTENSION_SUFFIX, GROUP_NAME, PURE_PYTHON_ENV, SOURCE_ROOT,
-                              manifest_path, why_not_compiled)
+from kvserve.compiled import (COMPILED_MODULES, EXTENSION_SUFFIX, GROUP_NAME, PURE_PYTHON_ENV, SOURCE_ROOT, digest,
+                              extension_path, manifest_path, source_path, why_not_compiled)
 from kvserve.compiled.build import clean
 
 
@@ -42,21 +42,16 @@ def test_required_core_is_in_use():
 
 def _copy_sources(root: Path) -> None:
     for name in COMPILED_MODULES:
-        target = root.joinpath(*name.split(".")).with_suffix(".py")
+        target = source_path(name, root)
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(SOURCE_ROOT.joinpath(*name.split(".")).with_suffix(".py"), target)
+        shutil.copy(source_path(name), target)
 
 
 def _write_manifest(root: Path, **changes) -> None:
-    digests = {name: _sha256(root.joinpath(*name.split(".")).with_suffix(".py")) for name in COMPILED_MODULES}
+    digests = {name: digest(source_path(name, root)) for name in COMPILED_MODULES}
     manifest = {"python": sys.implementation.cache_tag, "sources": digests, **changes}
     manifest_path(root).parent.mkdir(parents=True, exist_ok=True)
     manifest_path(root).write_text(json.dumps(manifest))
-
-
-def _sha256(path: Path) -> str:
-    import hashlib
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_why_not_compiled_names_each_reason(tmp_path, monkeypatch):
@@ -69,7 +64,7 @@ def test_why_not_compiled_names_each_reason(tmp_path, monkeypatch):
     (tmp_path / f"{GROUP_NAME}__mypyc{EXTENSION_SUFFIX}").touch()
     assert why_not_compiled(tmp_path) == f"{COMPILED_MODULES[0]} has no compiled extension"
     for name in COMPILED_MODULES:
-        tmp_path.joinpath(*name.split(".")).with_name(name.rsplit(".", 1)[1] + EXTENSION_SUFFIX).touch()
+        extension_path(name, tmp_path).touch()
     assert why_not_compiled(tmp_path) is None
     scheduler = tmp_path / "kvserve" / "scheduler" / "scheduler.py"
     scheduler.write_text(scheduler.read_text() + "\n# an edit after the build\n")

@@ -59,11 +59,11 @@ EXTENSION_SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]  # e.g. .cpython-31
 _status: dict = {"compiled": False, "reason": "not activated"}
 
 
-def _source(module: str, root: Path = SOURCE_ROOT) -> Path:
+def source_path(module: str, root: Path = SOURCE_ROOT) -> Path:
     return root.joinpath(*module.split(".")).with_suffix(".py")
 
 
-def _extension(module: str, root: Path = SOURCE_ROOT) -> Path:
+def extension_path(module: str, root: Path = SOURCE_ROOT) -> Path:
     return root.joinpath(*module.split(".")).with_name(module.rsplit(".", 1)[-1] + EXTENSION_SUFFIX)
 
 
@@ -71,7 +71,7 @@ def manifest_path(root: Path = SOURCE_ROOT) -> Path:
     return root / "kvserve" / "compiled" / MANIFEST_NAME
 
 
-def _digest(path: Path) -> str:
+def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -86,7 +86,7 @@ class _PreferSource(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in self.names:
             return None
-        return importlib.util.spec_from_file_location(fullname, _source(fullname, self.root))
+        return importlib.util.spec_from_file_location(fullname, source_path(fullname, self.root))
 
 
 def _pure_python_asked() -> bool:
@@ -111,10 +111,10 @@ def why_not_compiled(root: Path = SOURCE_ROOT) -> str | None:
     if not any(root.glob(f"{GROUP_NAME}__mypyc*{EXTENSION_SUFFIX}")):
         return f"its shared library {GROUP_NAME}__mypyc is missing"
     for module in COMPILED_MODULES:
-        if not _extension(module, root).is_file():
+        if not extension_path(module, root).is_file():
             return f"{module} has no compiled extension"
-        if digests.get(module) != _digest(_source(module, root)):
-            return f"{_source(module, root).relative_to(root)} changed since it was compiled (make compile)"
+        if digests.get(module) != digest(source_path(module, root)):
+            return f"{source_path(module, root).relative_to(root)} changed since it was compiled (make compile)"
     return None
 
 
@@ -128,7 +128,7 @@ def activate(root: Path = SOURCE_ROOT) -> None:
         _status.update(compiled=True, reason="compiled by mypyc")
         return
     _status.update(compiled=False, reason=reason)
-    if any(_extension(m, root).is_file() for m in COMPILED_MODULES):
+    if any(extension_path(m, root).is_file() for m in COMPILED_MODULES):
         sys.meta_path.insert(0, _PreferSource(root))
         if not _pure_python_asked():  # a build is there but cannot serve: say so
             warnings.warn(f"kvserve: compiled core not used, {reason}", RuntimeWarning, stacklevel=2)

@@ -10,8 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvserve.compiled import (COMPILED_MODULES, EXTENSION_SUFFIX, GROUP_NAME, PURE_PYTHON_ENV, SOURCE_ROOT, _digest,
-                              _source, manifest_path)
+from kvserve.compiled import (COMPILED_MODULES, EXTENSION_SUFFIX, GROUP_NAME, PURE_PYTHON_ENV, SOURCE_ROOT, digest,
+                              manifest_path, source_path)
 
 
 def clean(root: Path = SOURCE_ROOT) -> list[Path]:
@@ -34,7 +34,8 @@ from mypyc.build import mypycify
 from setuptools import setup
 
 build_dir, group_name, *paths_and_options = sys.argv[1:]
-sys.argv = [sys.argv[0], "build_ext", "--inplace", "--build-temp", build_dir]
+# Everything but the extension modules themselves stays in build_dir.
+sys.argv = [sys.argv[0], "build_ext", "--inplace", "--build-temp", build_dir, "--build-lib", build_dir]
 setup(name="kvserve-compiled-core", packages=[],
       ext_modules=mypycify(paths_and_options, opt_level="3", group_name=group_name,
                            target_dir=build_dir, multi_file=True))
@@ -47,8 +48,8 @@ def build(root: Path = SOURCE_ROOT) -> None:
     if importlib.util.find_spec("mypyc") is None:
         raise SystemExit("kvserve: building the compiled core needs mypy (pip install -e '.[compile]')")
     clean(root)
-    sources = [_source(m, root) for m in COMPILED_MODULES]
-    digests = {m: _digest(p) for m, p in zip(COMPILED_MODULES, sources)}
+    sources = [source_path(m, root) for m in COMPILED_MODULES]
+    digests = {m: digest(p) for m, p in zip(COMPILED_MODULES, sources)}
     arguments = [str(p.relative_to(root)) for p in sources]
     # The project's mypy settings (pyproject.toml) keep the type check off
     # torch and the server, which these modules never import.
@@ -59,6 +60,7 @@ def build(root: Path = SOURCE_ROOT) -> None:
         # A child process: the C compiler's output and any failure stay
         # apart from this one, which may have the old core loaded.
         env = {**os.environ, PURE_PYTHON_ENV: "1"}
+        arguments.append(f"--cache-dir={build_dir}/mypy-cache")
         done = subprocess.run([sys.executable, "-c", _SETUP, build_dir, GROUP_NAME, *arguments],
                               cwd=root, env=env, capture_output=True, text=True)
         if done.returncode != 0:  # the compiler's log only when it failed

@@ -253,6 +253,6 @@ def _format_simulation(sim: dict) -> str:
     return (f"simulated {sim['simulated_s']:.1f} s on {len(replicas)} replica(s) "
             f"({kind} cost model, {sim['num_blocks']} KV blocks each, router {sim['router']}, "
             f"admission {'on' if sim['admission'] else 'off'}) in {sim['wall_s']:.1f} s wall "
-            f"(core: {sim.get('core', 'pure Python')}): "
+            f"(core: {sim['core']}): "
             f"{sim['num_steps']} steps, {preemptions} preemptions, prefix hits "
             f"{hits / queries if queries else 0:.1%} of prompt tokens")

@@ -56,7 +56,9 @@ def test_overload_burst_gets_429_with_retry_after_and_admitted_requests_meet_ttf
 
 
 def test_disconnects_mid_stream_free_all_kv():
-    core = tiny_core(num_blocks=256, max_num_seqs=16)
+    # 2 ms per step at least: 300 tokens take > 0.6 s, so every client has
+    # left long before its request could finish, however fast the machine.
+    core = slow_steps(tiny_core(num_blocks=256, max_num_seqs=16), 0.002)
     with live_server(core, max_queue_wait_s=30) as srv:
         outs = run_clients(srv.base_url,
                            lambda c: [stream_one(c, body(max_tokens=300), read_chunks=3) for _ in range(20)])
@@ -71,7 +73,9 @@ def test_disconnects_mid_stream_free_all_kv():
 
 
 def test_non_streaming_client_that_leaves_is_aborted():
-    with live_server(tiny_core(num_blocks=64)) as srv:
+    # 2 ms per step at least: 450 tokens take > 0.9 s, well past the client's
+    # 0.3 s timeout (the bare tiny model can finish them in less).
+    with live_server(slow_steps(tiny_core(num_blocks=64), 0.002)) as srv:
         async def leave_early(client):
             with pytest.raises(httpx.ReadTimeout):
                 await client.post("/v1/completions", json={**body(max_tokens=450), "stream": False},
@@ -84,7 +88,11 @@ def test_non_streaming_client_that_leaves_is_aborted():
 
 
 def test_stalled_reader_is_aborted_and_frees_kv():
-    with live_server(tiny_core(num_blocks=64), stream_stall_timeout_s=0.3) as srv:
+    # 3 ms per step at least: 400 tokens take > 1.2 s, well past the 0.3 s
+    # stall timeout plus the watchdog's period. On the bare tiny model a fast
+    # moment finished the request first, and a finished stream is no stall.
+    core = slow_steps(tiny_core(num_blocks=64), 0.003)
+    with live_server(core, stream_stall_timeout_s=0.3) as srv:
         serving = srv.serving
         request = Request("stalled-1", [1, 2, 3, 4], SamplingParams(max_tokens=400), arrival_time=time.monotonic())
 

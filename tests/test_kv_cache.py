@@ -87,7 +87,7 @@ def test_lru_eviction_order_evicts_least_recently_freed_and_tails_first():
     prefill(m, b)
     m.free(a)  # cached: a's tail block 1 first, then 0
     m.free(b)  # then b's 4, 3
-    assert list(m.pool._evictable) == [1, 0, 4, 3]
+    assert m.pool.eviction_order() == [1, 0, 4, 3]
     # Two uncached free blocks (2 and 5) are handed out before any eviction.
     c = make_request("c", range(200, 208))
     prefill(m, c)
@@ -111,11 +111,11 @@ def test_hit_refreshes_lru_position():
     b = make_request("b", range(10, 15))  # reuses free block 1 (full), then 2 (partial)
     prefill(m, b)
     m.free(b)
-    assert list(m.pool._evictable) == [0, 1]
+    assert m.pool.eviction_order() == [0, 1]
     a2 = make_request("a2", range(1, 6))
     prefill(m, a2)  # touches block 0 again
     m.free(a2)
-    assert list(m.pool._evictable)[-1] == 0  # now most recently used
+    assert m.pool.eviction_order()[-1] == 0  # now most recently used
 
 
 def test_tenant_namespaces_never_share_blocks():

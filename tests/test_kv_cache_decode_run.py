@@ -81,7 +81,7 @@ def _peak_blocks(specs):
 
 def _pool_state(kv):
     pool = kv.pool
-    return ([b.block_id for b in pool._free], list(pool._evictable),
+    return ([b.block_id for b in pool._free], pool.eviction_order(),
             sorted((h, b.block_id) for h, b in pool._by_hash.items()), pool.num_evictions)
 
 

@@ -46,7 +46,7 @@ def _state(sched):
                 for rid, r in sched._requests.items()}
     pool = kv.pool
     return (requests, list(sched.running), [b.block_id for b in pool._free],
-            list(pool._evictable), sorted((h, b.block_id) for h, b in pool._by_hash.items()),
+            pool.eviction_order(), sorted((h, b.block_id) for h, b in pool._by_hash.items()),
             kv.prefix_cache_queries, kv.prefix_cache_hits)
 
 

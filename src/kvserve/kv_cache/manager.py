@@ -214,9 +214,10 @@ class KVCacheManager:
             self.cache_computed_blocks(request, num_computed_tokens, pending_token_id)
             return
         hashes = request.block_hashes
-        if len(hashes) == index and index * size >= request.num_tokens and index:
-            # The block holds only tokens not yet appended: all the pending
-            # one (what _request_hashes does for it, without its loop).
+        if index and len(hashes) == index and index * size >= request.num_tokens:
+            # A block after the first that holds only tokens not yet appended:
+            # all the pending one (what _request_hashes does for it, without
+            # its loop).
             hashes.append(hash_encoded_block(hashes[index - 1], self._encoded_repeat(pending_token_id)))
         elif len(hashes) <= index:
             hashes = self._request_hashes(request, index + 1, pending_token_id)

@@ -6,9 +6,9 @@ import json
 import pytest
 
 from kvserve.plan.presets import preset
-from kvserve.sim.cost_model import (LinearCostModel, RooflineCostModel, StepShape,
+from kvserve.sim.cost_model import (JitteredCostModel, LinearCostModel, RooflineCostModel, StepShape,
                                     fit_linear_cost_model, load_profile, profile_json,
-                                    resolve_hardware)
+                                    resolve_hardware, with_step_jitter)
 from kvserve.sim.hardware import hardware_preset
 
 LLAMA_8B = preset("llama-3.1-8b").config
@@ -208,3 +208,66 @@ def test_profile_with_a_curve_round_trips(tmp_path):
          "per_attention_pair_s"], 0.0), "token_curve": {"tokens": [8, 4], "step_s": [0.1, 0.2]}}))
     with pytest.raises(ValueError, match="strictly increasing"):
         load_profile(path)
+
+
+RATIOS = (0.8, 1.0, 1.0, 1.5, 2.5)
+
+
+def test_jitter_multiplies_each_step_by_a_measured_ratio_reproducibly():
+    base = LinearCostModel(0.004, 1e-5, 2e-5, 3e-8, 1e-11)
+    shape = StepShape(16, 3, 500, 900)
+
+    def draws(seed, n=400):
+        model = JitteredCostModel(base, RATIOS, seed)
+        return [model.step_time_s(shape) / base.step_time_s(shape) for _ in range(n)]
+
+    first = draws(7)
+    assert {round(r, 9) for r in first} == set(RATIOS)  # only measured ratios, and all of them
+    assert first == draws(7)  # one seed, one sequence
+    assert first != draws(8)
+    # About 2 in 5 draws are the doubled 1.0.
+    assert 0.3 < sum(1 for r in first if round(r, 9) == 1.0) / len(first) < 0.5
+
+
+def test_jittered_decode_step_ends_draw_one_ratio_per_step():
+    from kvserve.sim.cost_model import decode_step_ends_s
+
+    base = RooflineCostModel(LLAMA_8B, hardware_preset("h100"))
+    shapes = [(n, n * 700 + 13 * i) for i, n in enumerate([1, 3, 3, 40, 256, 255, 7, 1] * 20)]
+    ends = decode_step_ends_s(JitteredCostModel(base, RATIOS, 1), 5.0, shapes)
+    starts = [5.0] + ends[:-1]
+    ratios = [(b - a) / base.step_time_s(StepShape(0, n, kv, kv)) for a, b, (n, kv) in zip(starts, ends, shapes)]
+    assert all(min(abs(r - m) for m in RATIOS) < 1e-6 for r in ratios)
+    assert len({round(r, 6) for r in ratios}) == len(set(RATIOS))
+    assert ends == decode_step_ends_s(JitteredCostModel(base, RATIOS, 1), 5.0, shapes)
+
+
+def test_step_jitter_applies_only_where_measured():
+    measured = LinearCostModel(0.01, 0.0, 0.0, 0.0, step_jitter=RATIOS)
+    plain = LinearCostModel(0.01, 0.0, 0.0, 0.0)
+    roofline = RooflineCostModel(LLAMA_8B, hardware_preset("h100"))
+    jittered = with_step_jitter(measured, "profile", 3)
+    assert isinstance(jittered, JitteredCostModel) and jittered.ratios == RATIOS
+    assert jittered.describe()["step_jitter"]["seed"] == 3
+    assert with_step_jitter(measured, "none", 3) is measured
+    assert with_step_jitter(plain, "profile", 3) is plain
+    assert with_step_jitter(roofline, "profile", 3) is roofline
+    with pytest.raises(ValueError, match="'profile' or 'none'"):
+        with_step_jitter(measured, "gaussian", 3)
+    with pytest.raises(ValueError, match="> 0"):
+        LinearCostModel(0.01, 0.0, 0.0, 0.0, step_jitter=(1.0, 0.0))
+    with pytest.raises(ValueError, match="> 0"):
+        JitteredCostModel(plain, (1.0, float("nan")), 0)
+
+
+def test_profile_jitter_round_trips_and_bad_jitter_is_a_clear_error(tmp_path):
+    model = LinearCostModel(0.01, 1e-4, 1e-3, 0.0, step_jitter=RATIOS)
+    document = profile_json(model, {"r2": 1.0}, {"num_blocks": 64}, {}, [])
+    assert document["step_jitter"]["p50"] == 1.0 and document["step_jitter"]["max"] == 2.5
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(document))
+    assert load_profile(path).step_jitter == RATIOS
+    for bad in ({"ratios": ["fast"]}, {"ratios": [1.0, -2.0]}, ["not", "a", "dict"]):
+        path.write_text(json.dumps({**document, "step_jitter": bad}))
+        with pytest.raises(ValueError, match="step.jitter"):
+            load_profile(path)

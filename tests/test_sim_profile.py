@@ -16,7 +16,8 @@ def test_time_engine_steps_covers_the_grid_and_fits():
     core = tiny_engine(tiny_llama(), num_blocks=256, max_num_batched_tokens=64, max_num_seqs=16)
     grid = ProfileGrid(prefill_tokens=(0, 8, 32), decode_batch=(0, 1, 4), context=(8, 40),
                        repeats=2, time_budget_s=60)
-    samples = time_engine_steps(core, grid)
+    samples, jitter = time_engine_steps(core, grid)
+    assert jitter == []  # the median of two repeats is one of them: no spread to keep
     assert not core.has_unfinished()
     shapes = [s for s, _ in samples]
     assert any(s.num_prefill_tokens == 0 and s.num_decode_seqs == 4 for s in shapes)
@@ -32,7 +33,7 @@ def test_time_engine_steps_covers_the_grid_and_fits():
 
 def test_profile_document_is_accepted_by_simulate(tmp_path):
     core = tiny_engine(tiny_llama(), num_blocks=128, max_num_batched_tokens=64)
-    samples = time_engine_steps(core, ProfileGrid((0, 8, 16), (0, 1, 2), (8, 24), 2, 30.0))
+    samples, _ = time_engine_steps(core, ProfileGrid((0, 8, 16), (0, 1, 2), (8, 24), 2, 30.0))
     model, stats = fit_linear_cost_model(samples, engine={"num_blocks": 128})
     path = tmp_path / "p.json"
     path.write_text(json.dumps(profile_json(model, stats, {"num_blocks": 128}, {}, samples)))
@@ -47,7 +48,7 @@ def test_token_sweep_times_each_size_alone_and_becomes_the_curve(tmp_path):
     core = tiny_engine(tiny_llama(), num_blocks=256, max_num_batched_tokens=64, max_num_seqs=16)
     grid = ProfileGrid(prefill_tokens=(0, 8), decode_batch=(0, 1, 4), context=(8, 40), repeats=2,
                        time_budget_s=60, tokens=(1, 4, 16, 64, 128))
-    samples = time_engine_steps(core, grid)
+    samples, _ = time_engine_steps(core, grid)
     assert not core.has_unfinished()
     alone = {s.num_tokens for s, _ in samples if s.num_decode_seqs == 0}
     assert {1, 4, 16, 64} <= alone
@@ -62,6 +63,20 @@ def test_token_sweep_times_each_size_alone_and_becomes_the_curve(tmp_path):
     assert load_profile(path).token_knot_s == model.token_knot_s
 
 
+def test_repeats_over_their_median_are_kept_as_step_jitter():
+    core = tiny_engine(tiny_llama(), num_blocks=256, max_num_batched_tokens=64, max_num_seqs=16)
+    grid = ProfileGrid(prefill_tokens=(0, 8), decode_batch=(0, 1, 4), context=(8, 24), repeats=3,
+                       time_budget_s=60, tokens=(1, 4, 16))
+    samples, jitter = time_engine_steps(core, grid)
+    # Every grid point is timed 3 times: three ratios each, one of them its
+    # median (exactly 1), one at most 1, one at least 1.
+    assert len(jitter) == 3 * len(samples)
+    for i in range(0, len(jitter), 3):
+        group = sorted(jitter[i:i + 3])
+        assert group[0] <= 1.0 == group[1] <= group[2]
+    assert all(r > 0 for r in jitter)
+
+
 def test_profile_command_writes_a_curve_that_simulate_reads(tmp_path, capsys):
     from kvserve.cli import main
 
@@ -71,16 +86,21 @@ def test_profile_command_writes_a_curve_that_simulate_reads(tmp_path, capsys):
     out = tmp_path / "profile.json"
     rc = main(["profile", "--model", str(folder), "--kv-cache-memory", "4MiB", "--device", "cpu",
                "--max-num-batched-tokens", "32", "--tokens", "1,4,16,32,64", "--prefill-tokens", "0,8",
-               "--decode-batch", "0,1,2", "--context", "8,24", "--repeats", "1", "--out", str(out)])
+               "--decode-batch", "0,1,2", "--context", "8,24", "--repeats", "3", "--out", str(out)])
     assert rc == 0
     document = json.loads(out.read_text())
     assert document["token_curve"]["tokens"] == [1, 4, 16, 32]  # 64 > the 32-token budget
-    assert "curve: 1:" in capsys.readouterr().out
+    assert document["step_jitter"]["num_ratios"] == len(document["step_jitter"]["ratios"]) \
+        == 3 * len(document["samples"])
+    printed = capsys.readouterr().out
+    assert "curve: 1:" in printed and "step jitter" in printed
     rc = main(["simulate", "--model", str(folder), "--hardware", str(out), "--workload", "short",
                "--num-requests", "6", "--rate", "2", "--out", str(tmp_path / "sim")])
     assert rc == 0
     report = json.loads((tmp_path / "sim" / "report.json").read_text())
     assert report["summary"]["outcomes"]["success"] == 6
+    applied = report["config"]["simulation"]["cost_model"]["step_jitter"]
+    assert applied["num_ratios"] == document["step_jitter"]["num_ratios"] and applied["seed"] == 0
     with pytest.raises(SystemExit):
         main(["profile", "--tokens", "1,x"])
     with pytest.raises(ValueError, match=">= 1"):

@@ -165,6 +165,36 @@ def test_simulate_cli_uses_a_local_profile_and_its_cache_size(tmp_path, capsys):
     assert 0.066 <= report["summary"]["ttft"]["p50"] <= 0.3
 
 
+def test_profiled_step_jitter_widens_the_simulated_tail_reproducibly(tmp_path):
+    # One step in ten takes twice its median: at low load TTFT is about one
+    # prefill step, so its p99 doubles while its p50 stays the model's.
+    from kvserve.sim.cost_model import profile_json
+
+    jitter = (1.0,) * 9 + (2.0,)
+    for name, model in (("plain", LinearCostModel(0.05, 1e-3, 1e-2, 0.0)),
+                        ("jitter", LinearCostModel(0.05, 1e-3, 1e-2, 0.0, step_jitter=jitter))):
+        (tmp_path / f"{name}.json").write_text(
+            json.dumps(profile_json(model, {"r2": 1.0}, {"num_blocks": 300}, {}, [])))
+
+    def summary(profile: str, run: str, *flags: str) -> dict:
+        rc = main(["simulate", "--preset", "smollm2-135m", "--hardware", str(tmp_path / profile),
+                   "--rate", "0.02", "--num-requests", "200", "--workload", "short", "--slo", "ttft=3,tpot=0.5",
+                   # A TPOT promise that never chunks these prompts, so a TTFT is one step.
+                   "--tpot-slo", "0.5", "--out", str(tmp_path / run), *flags])
+        assert rc == 0
+        return json.loads((tmp_path / run / "report.json").read_text())["summary"]
+
+    plain, jittered = summary("plain.json", "a"), summary("jitter.json", "b")
+    assert jittered["ttft"]["p99"] > 1.5 * plain["ttft"]["p99"]
+    assert jittered["ttft"]["p50"] == pytest.approx(plain["ttft"]["p50"], rel=0.1)
+    assert jittered["tpot"]["p50"] > plain["tpot"]["p50"]  # a TPOT averages its steps: mean ratio 1.1
+    assert summary("jitter.json", "c") == jittered  # seeded by --seed
+    assert summary("jitter.json", "e", "--jitter-seed", "0") == jittered
+    other = summary("jitter.json", "f", "--jitter-seed", "1")  # another realization
+    assert other != jittered and other["ttft"]["p99"] > 1.5 * plain["ttft"]["p99"]
+    assert summary("jitter.json", "d", "--seed", "0", "--step-jitter", "none") == plain
+
+
 def test_simulator_and_planner_import_no_torch():
     import subprocess
     import sys

@@ -28,7 +28,7 @@ from kvserve.plan import kv_math
 from kvserve.plan.cli import add_model_arguments, weight_bytes_of
 from kvserve.plan.presets import ModelSpec, resolve_model
 from kvserve.sim.cost_model import (CostModel, LinearCostModel, RooflineCostModel,
-                                    resolve_hardware)
+                                    resolve_hardware, with_step_jitter)
 from kvserve.sim.hardware import HardwareProfile
 from kvserve.sim.router import ROUTERS
 from kvserve.sim.simulator import AutoscaleConfig, SimConfig, Simulator
@@ -87,6 +87,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="time a client sees beyond the engine per request (HTTP, parsing, streaming), "
                           "added to TTFT and E2E; kvserve bench's TTFT minus the server's "
                           "vllm:time_to_first_token_seconds measures it")
+    sim.add_argument("--step-jitter", choices=("profile", "none"), default="profile",
+                     help="profile: multiply each step's time by a ratio drawn from the spread `kvserve "
+                          "profile` measured (each repeat over its median; seeded by --seed), so tails "
+                          "carry the machine's variation; none: every step takes the model's time. "
+                          "Roofline presets have no measured jitter")
+    sim.add_argument("--jitter-seed", type=int, default=None,
+                     help="seed of the step jitter draws (default: --seed); other seeds give other "
+                          "realizations of the same workload, for the spread of a simulated tail")
     sim.add_argument("--replicas", type=int, default=1, help="replicas behind the router at start")
     sim.add_argument("--router", choices=ROUTERS, default="least-queue",
                      help="how requests are spread across replicas")
@@ -209,6 +217,9 @@ def simulate_once(args: argparse.Namespace, config: SimConfig, cost_model: CostM
     plan = bench_cli.plan_requests(args, rate_per_s)
     exact = len(plan.specs) <= EXACT_EVENTS_MAX_REQUESTS
     config = replace(config, exact_token_events=exact)
+    # Fresh draws for every run: a sweep's rates do not depend on each other.
+    cost_model = with_step_jitter(cost_model, args.step_jitter,
+                                  args.seed if args.jitter_seed is None else args.jitter_seed)
     wall_start = time.perf_counter()
     result = Simulator(config, cost_model).run(plan.specs, plan.offsets_s)
     wall_s = time.perf_counter() - wall_start

@@ -14,12 +14,22 @@ attention computes. Two models answer `step_time_s(shape)`:
   of step time over the tokens a step passes through the weights (on a CPU
   that curve is far from a line: a GEMM of 8 rows can cost more than one of
   24, and a few prefill tokens ride on the weight read of a decode step).
+
+A fitted model predicts a step's typical (median) time, but a real machine
+does not repeat a step in the same time: on a shared CPU one step in a
+hundred takes twice its median. `kvserve profile` records that spread (each
+repeat of a timed shape over the median of its repeats), and
+`JitteredCostModel` multiplies each simulated step by a ratio drawn from
+it, so a simulated tail (p99 TTFT is about one step at low load) carries
+the machine's variation and not only the model's.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
+import math
+import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Protocol
@@ -184,11 +194,17 @@ class LinearCostModel:
     engine: tuple[tuple[str, int], ...] = ()
     token_knots: tuple[int, ...] = ()
     token_knot_s: tuple[float, ...] = ()
+    # Measured step-to-step variation: each timed repeat over the median of
+    # its repeats (empty: not measured). The model itself predicts the
+    # median; `JitteredCostModel` applies these.
+    step_jitter: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name in LINEAR_FEATURES:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if any(not r > 0 for r in self.step_jitter):  # `not >` also refuses NaN
+            raise ValueError("step jitter ratios must be > 0")
         knots, values = self.token_knots, self.token_knot_s
         if len(knots) != len(values):
             raise ValueError(f"{len(knots)} token knots but {len(values)} knot times")
@@ -229,7 +245,76 @@ class LinearCostModel:
                      **{name: getattr(self, name) for name in LINEAR_FEATURES}}
         if self.token_knots:
             described["token_curve"] = {"tokens": list(self.token_knots), "step_s": list(self.token_knot_s)}
+        if self.step_jitter:
+            described["step_jitter_measured"] = jitter_summary(self.step_jitter)
         return described
+
+
+def jitter_summary(ratios: tuple[float, ...]) -> dict:
+    """How many ratios, and their p50 / p90 / p99 / max (nearest rank) and mean."""
+    ordered = sorted(ratios)
+    n = len(ordered)
+
+    def rank(q: float) -> float:
+        return ordered[min(n - 1, max(0, math.ceil(q * n) - 1))]
+
+    return {"num_ratios": n, "p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99),
+            "max": ordered[-1], "mean": sum(ordered) / n}
+
+
+class JitteredCostModel:
+    """`base`'s step times, each multiplied by a ratio drawn (uniformly,
+    with replacement) from `ratios`: the measured spread of a step's time
+    around its median. Draws come from a generator seeded by `seed`, one per
+    step in the order the simulation asks, so a run is reproducible. Steps
+    are drawn independently: on this project's CPU, consecutive decode
+    steps' times correlate weakly (lag-1 correlation ~0.1).
+
+    Under jitter the simulator's fast-forward path (a decode run's steps
+    timed a stretch at a time, some never used) draws in a different order
+    than single steps would: the same process, another realization."""
+
+    def __init__(self, base: CostModel, ratios: tuple[float, ...], seed: int) -> None:
+        if not ratios:
+            raise ValueError("step jitter needs at least one measured ratio")
+        if any(not r > 0 for r in ratios):
+            raise ValueError("step jitter ratios must be > 0")
+        self.base = base
+        self.ratios = tuple(ratios)
+        self.seed = seed
+        # A string seed: not the stream the workload generator draws from
+        # for the same --seed.
+        self._random = random.Random(f"step-jitter:{seed}").random
+
+    def _ratio(self) -> float:
+        ratios = self.ratios
+        return ratios[int(self._random() * len(ratios))]
+
+    def step_time_s(self, shape: StepShape) -> float:
+        return self.base.step_time_s(shape) * self._ratio()
+
+    def decode_step_ends_s(self, start_s: float, shapes: list[tuple[int, int]]) -> list[float]:
+        base = self.base
+        ends: list[float] = []
+        t = start_s
+        for num_seqs, kv_tokens in shapes:
+            t = t + base.step_time_s(StepShape(0, num_seqs, kv_tokens, kv_tokens)) * self._ratio()
+            ends.append(t)
+        return ends
+
+    def describe(self) -> dict:
+        return {**self.base.describe(), "step_jitter": {**jitter_summary(self.ratios), "seed": self.seed}}
+
+
+def with_step_jitter(model: CostModel, jitter: str, seed: int) -> CostModel:
+    """`model` with the step jitter its profile measured (`jitter` "profile")
+    or without any ("none"). A model that measured none (a roofline preset,
+    an older profile) is returned as it is."""
+    if jitter not in ("profile", "none"):
+        raise ValueError(f"step jitter must be 'profile' or 'none', got {jitter!r}")
+    if jitter == "none" or not isinstance(model, LinearCostModel) or not model.step_jitter:
+        return model
+    return JitteredCostModel(model, model.step_jitter, seed)
 
 
 def load_profile(path: Path) -> LinearCostModel | HardwareProfile:
@@ -253,8 +338,13 @@ def load_profile(path: Path) -> LinearCostModel | HardwareProfile:
             knot_s = tuple(float(t) for t in curve.get("step_s", ()))
         except (TypeError, ValueError):
             raise ValueError(f"profile {str(path)!r}: token_curve needs lists 'tokens' and 'step_s'") from None
+        try:
+            jitter = tuple(float(r) for r in (raw.get("step_jitter") or {}).get("ratios", ()))
+        except (TypeError, ValueError, AttributeError):
+            raise ValueError(f"profile {str(path)!r}: step_jitter needs a list 'ratios' of numbers") from None
         return LinearCostModel(**{n: float(coefficients[n]) for n in LINEAR_FEATURES},
-                               source=str(path), engine=engine, token_knots=knots, token_knot_s=knot_s)
+                               source=str(path), engine=engine, token_knots=knots, token_knot_s=knot_s,
+                               step_jitter=jitter)
     if kind == "hardware":
         return HardwareProfile(name=str(raw.get("name", Path(path).stem)),
                                flops_per_s=float(raw["flops_per_s"]),
@@ -339,7 +429,8 @@ def fit_linear_cost_model(samples: list[tuple[StepShape, float]], source: str = 
              "mean_abs_rel_error": float(np.mean(np.abs(residual) / y))}
     fitted = dict(zip(line_features, (float(c) for c in coef[len(knots):])))
     knot_s = tuple(float(coef[0]) + (float(c) if i else 0.0) for i, c in enumerate(coef[:len(knots)]))
-    model = LinearCostModel(**{name: fitted.get(name, 0.0) for name in LINEAR_FEATURES}, source=source,
+    intercept, per_prefill, per_decode, per_kv, per_pair = (fitted.get(name, 0.0) for name in LINEAR_FEATURES)
+    model = LinearCostModel(intercept, per_prefill, per_decode, per_kv, per_pair, source=source,
                             engine=tuple(sorted((engine or {}).items())), token_knots=knots,
                             token_knot_s=knot_s)
     return model, stats
@@ -401,6 +492,10 @@ def profile_json(model: LinearCostModel, stats: dict, engine: dict, about: dict,
                  samples: list[tuple[StepShape, float]]) -> dict:
     """The document `kvserve profile` writes and `--hardware PATH` reads."""
     curve = {"tokens": list(model.token_knots), "step_s": list(model.token_knot_s)} if model.token_knots else None
+    jitter = None
+    if model.step_jitter:
+        jitter = {"about": "each timed repeat of a shape over the median of its repeats",
+                  **jitter_summary(model.step_jitter), "ratios": [round(r, 4) for r in model.step_jitter]}
     return {"kind": "linear", "coefficients": {n: getattr(model, n) for n in LINEAR_FEATURES},
-            "token_curve": curve, "fit": stats, "engine": engine, "about": about,
+            "token_curve": curve, "step_jitter": jitter, "fit": stats, "engine": engine, "about": about,
             "samples": [{**s._asdict(), "step_s": t} for s, t in samples]}

@@ -13,6 +13,10 @@ scheduler's own output, so the fit sees exactly what the simulator will ask
 about. Steps are whole `EngineCore.step()` calls (schedule, forward pass,
 sampling, update, detokenize), the same unit the server's loop runs.
 
+Each grid point is timed `--repeats` times and the fit takes the median;
+every repeat over that median is kept as the machine's step jitter, which
+`kvserve simulate` applies to its steps (`--step-jitter`).
+
     kvserve profile --kv-cache-memory 1GiB --out profile.json
     kvserve simulate --model M --hardware profile.json ...
 """
@@ -24,14 +28,22 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from kvserve.sim.cost_model import StepShape, chunk_shape, fit_linear_cost_model, profile_json
 
 
 # Dense where a CPU's small-GEMM kernels change cost sharply, sparse above.
 DEFAULT_SWEEP_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# Fewer repeats say nothing of the spread: the median of two is one of them.
+MIN_JITTER_REPEATS = 3
+
+
+class TimedSteps(NamedTuple):
+    samples: list[tuple[StepShape, float]]  # (shape, median seconds) per grid point
+    jitter: list[float]  # every repeat over its grid point's median (3+ repeats)
 
 
 def _ints(text: str) -> list[int]:
@@ -65,7 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decoding sequences per timed step")
     parser.add_argument("--context", type=_ints, default=_ints("64,256,768"),
                         help="context length (tokens) of the decoding sequences")
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per grid point")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed steps per grid point: the fit takes their median, and their spread "
+                             "around it is the step jitter `kvserve simulate` applies (3 or more)")
     parser.add_argument("--time-budget", type=float, default=300.0,
                         help="stop measuring after this many seconds and fit what was timed")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens")
@@ -95,6 +109,7 @@ class _StepTimer:
     def __init__(self, core) -> None:
         self.core = core
         self.samples: list[tuple[StepShape, float]] = []
+        self.jitter: list[float] = []  # each repeat over its grid point's median
         self._last_shape: StepShape | None = None
         # This one engine's scheduler behind a recorder: the step stays the
         # real one.
@@ -114,7 +129,9 @@ class _StepTimer:
     def step_median(self, repeats: int, before_each=None, after_each=None) -> None:
         """Time `repeats` steps of (nearly) one shape and keep their median:
         on a shared machine a single step can take 10x its usual time, and
-        one such outlier would drag a least-squares fit."""
+        one such outlier would drag a least-squares fit. The spread is not
+        thrown away: with 3 or more repeats, each one over the median joins
+        `jitter`."""
         measured = []
         for _ in range(repeats):
             joining = before_each() if before_each else None
@@ -127,7 +144,10 @@ class _StepTimer:
         if measured:
             times = sorted(t for _, t in measured)
             shape = measured[len(measured) // 2][0]
-            self.samples.append((shape, times[len(times) // 2]))
+            median = times[len(times) // 2]
+            self.samples.append((shape, median))
+            if len(times) >= MIN_JITTER_REPEATS and median > 0:
+                self.jitter.extend(t / median for _, t in measured)
 
 
 def _add(core, rng: random.Random, num_tokens: int, max_tokens: int):
@@ -164,9 +184,9 @@ def swept_tokens(samples: list[tuple[StepShape, float]], grid: ProfileGrid) -> t
     return tuple(sorted(n for n in set(grid.tokens) if n in timed))
 
 
-def time_engine_steps(core, grid: ProfileGrid) -> list[tuple[StepShape, float]]:
-    """(shape, seconds) of timed `core.step()` calls over the grid. The core
-    must be idle; it is left idle."""
+def time_engine_steps(core, grid: ProfileGrid) -> TimedSteps:
+    """(shape, seconds) of timed `core.step()` calls over the grid, and the
+    repeats' spread. The core must be idle; it is left idle."""
     timer = _StepTimer(core)
     rng = random.Random(grid.seed)
     _add(core, rng, 16, 2)  # warm-up: first-call allocations are not a step's cost
@@ -179,7 +199,7 @@ def time_engine_steps(core, grid: ProfileGrid) -> list[tuple[StepShape, float]]:
             raise ValueError(f"context {context} does not fit the model's {core.max_model_len} tokens")
         _measure_context(core, timer, rng, context, grid, deadline)
     timer.close()
-    return timer.samples
+    return TimedSteps(timer.samples, timer.jitter)
 
 
 def _measure_token_sweep(core, timer: _StepTimer, rng: random.Random, grid: ProfileGrid,
@@ -240,6 +260,10 @@ def run(args: argparse.Namespace) -> int:
               f" + {c['per_decode_seq_s'] * 1e6:.1f} us/decode seq"
               f" + {c['per_kv_token_read_s'] * 1e9:.1f} ns/KV token read"
               f" + {c['per_attention_pair_s'] * 1e9:.3f} ns/attention pair")
+    jitter = document["step_jitter"]
+    if jitter:
+        print(f"  step jitter (each repeat over its median, {jitter['num_ratios']} steps): p90 {jitter['p90']:.2f}x,"
+              f" p99 {jitter['p99']:.2f}x, mean {jitter['mean']:.2f}x")
     print(f"wrote {args.out}")
     return 0
 
@@ -255,7 +279,7 @@ def profile(args: argparse.Namespace) -> dict:
                                      max_num_seqs=args.max_num_seqs, device=args.device,
                                      max_num_batched_tokens=args.max_num_batched_tokens)
     core = EngineCore(loaded.config, loaded.weights, loaded.tokenizer, config)
-    samples = time_engine_steps(core, grid)
+    samples, jitter = time_engine_steps(core, grid)
     from kvserve.runner import kv_bytes_per_block
 
     engine = {"kv_cache_memory_bytes": config.kv_cache_memory_bytes, "num_blocks": core.runner.num_blocks,
@@ -264,6 +288,7 @@ def profile(args: argparse.Namespace) -> dict:
               "max_num_batched_tokens": args.max_num_batched_tokens}
     model, stats = fit_linear_cost_model(samples, source="kvserve profile", engine=engine,
                                          token_knots=swept_tokens(samples, grid))
+    model = replace(model, step_jitter=tuple(jitter))
     about = {"model": loaded.source, "dtype": args.dtype, "device": str(core.runner.device),
              "measured_at_unix_s": time.time()}
     return profile_json(model, stats, engine, about, samples)

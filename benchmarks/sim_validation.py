@@ -13,7 +13,8 @@
    workload (same seed: identical request lengths and arrival times), with
    the profile as measured and with the profile scaled to the live decode
    step (the machine's speed drifts between profiling and serving, and the
-   server shares it with its frontend and the bench client);
+   server shares it with its frontend and the bench client); both apply
+   the step jitter the profiles measured (`--step-jitter profile`);
 3. prints the relative error of p50 / p99 TTFT and TPOT and of goodput
    for both (target: 15% at p50, 25% at p99, for rates below saturation)
    and writes OUT/validation.json.
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import io
 import json
 import os
 import statistics
@@ -72,6 +75,9 @@ def bracket(before: str, after: str, path: Path) -> str:
     knots = sorted({n for doc in docs for n in (doc.get("token_curve") or {}).get("tokens", ())})
     model, stats = fit_linear_cost_model(samples, "bracketed kvserve profile", docs[0]["engine"],
                                          token_knots=tuple(knots))
+    # The step jitter both profiles measured (each repeat over its median).
+    jitter = [r for doc in docs for r in (doc.get("step_jitter") or {}).get("ratios", ())]
+    model = dataclasses.replace(model, step_jitter=tuple(jitter))
     path.write_text(json.dumps(profile_json(model, stats, docs[0]["engine"], docs[0]["about"], samples)))
     return str(path)
 
@@ -193,14 +199,105 @@ def relative_error(sim: float | None, real: float | None) -> float | None:
     return abs(sim - real) / abs(real)
 
 
-def compare(real: dict, sim: dict) -> dict:
+def compare(real: dict, sims: list[dict]) -> dict:
+    """Per metric: the real value, the median of the simulated ones (one per
+    jitter realization; a single one without jitter), their range, and the
+    median's relative error."""
     rows = {}
-    for metric, q in METRICS:
-        a, b = real["summary"][metric][q], sim["summary"][metric][q]
-        rows[f"{metric}_{q}"] = {"real": a, "sim": b, "rel_error": relative_error(b, a)}
-    a, b = real["summary"]["goodput"], sim["summary"]["goodput"]
-    rows["goodput"] = {"real": a, "sim": b, "rel_error": relative_error(b, a)}
+    for name, path in [(f"{metric}_{q}", (metric, q)) for metric, q in METRICS] + [("goodput", ("goodput",))]:
+        def value(report: dict):
+            v = report["summary"]
+            for key in path:
+                v = v[key]
+            return v
+
+        a = value(real)
+        values = sorted(v for v in (value(sim) for sim in sims) if v is not None)
+        b = statistics.median(values) if values else None
+        rows[name] = {"real": a, "sim": b, "rel_error": relative_error(b, a),
+                      "sim_min": values[0] if values else None, "sim_max": values[-1] if values else None}
     return rows
+
+
+# The simulations compared with each live run: the issue's method (the
+# profile as measured, with its step jitter), the same without the jitter,
+# and the diagnostic calibration to the live decode step.
+VARIANTS = ("sim", "sim_no_jitter", "sim_calibrated")
+ENGINE_FLAGS = ["--kv-cache-memory", "1GiB", "--max-num-seqs", "16", "--max-num-batched-tokens", "256"]
+# The admission promise matches what this CPU can keep (the default 0.1 s
+# TPOT would cap the batch at one sequence here).
+ADMISSION_FLAGS = ["--ttft-slo", "3", "--tpot-slo", "0.5"]
+
+
+def load_flags(args: argparse.Namespace, rate: float) -> list[str]:
+    return ["--workload", args.workload, "--rate", str(rate), "--num-requests", str(args.num_requests),
+            "--seed", str(args.seed), "--slo", args.slo]
+
+
+def simulate_rate(args: argparse.Namespace, out: Path, rate: float, gguf: str, frontend_s: float) -> dict:
+    """Every variant's comparison with the live run of `rate` saved under
+    `out` (its bench report and bracketed profiles). A variant with jitter
+    runs --jitter-seeds realizations: a p99 of a few dozen requests is
+    nearly their maximum, and one draw of it says little."""
+    real = json.loads((out / f"bench_{rate:g}" / "report.json").read_text())
+    profile, calibrated_profile = out / f"profile_{rate:g}.json", out / f"profile_{rate:g}_calibrated.json"
+    compared = {}
+    for name, hardware, jitter in (("sim", profile, "profile"), ("sim_no_jitter", profile, "none"),
+                                   ("sim_calibrated", calibrated_profile, "profile")):
+        summaries = []
+        for jitter_seed in range(args.jitter_seeds if jitter == "profile" else 1):
+            quiet = contextlib.redirect_stdout(io.StringIO()) if jitter_seed else contextlib.nullcontext()
+            with quiet:  # the first realization's report is printed and kept on disk
+                rc = kvserve_main(["simulate", "--model", gguf, "--hardware", str(hardware), *load_flags(args, rate),
+                                   *ENGINE_FLAGS, *ADMISSION_FLAGS, "--frontend-latency-ms", f"{frontend_s * 1e3:.3f}",
+                                   "--step-jitter", jitter, "--jitter-seed", str(jitter_seed),
+                                   "--out", str(out / (f"{name}_{rate:g}" + (f"_j{jitter_seed}" if jitter_seed else "")))])
+            if rc != 0:
+                raise SystemExit(f"simulate failed with {rc}")
+            suffix = f"_j{jitter_seed}" if jitter_seed else ""
+            summaries.append(json.loads((out / f"{name}_{rate:g}{suffix}" / "report.json").read_text()))
+        compared[name] = compare(real, summaries)
+    return compared
+
+
+def measure_rate(args: argparse.Namespace, out: Path, rate: float, gguf: str) -> dict:
+    """The live part for one rate: profile, a fresh server with probes around
+    the bench run, profile again; writes the bracketed and calibrated
+    profiles and returns what the simulation stage needs besides them."""
+
+    def profile_now(path: Path) -> str:
+        """Profile right before the run it predicts: on a shared machine the
+        speed drifts with other load within minutes."""
+        if args.profile is not None:
+            return args.profile
+        subprocess.run(kvserve("profile", *ENGINE_FLAGS, "--prefill-tokens", "0,16,48,96",
+                               "--decode-batch", "0,1,2,4,8", "--context", "32,96", "--repeats", "5",
+                               "--time-budget", str(args.profile_budget), "--out", str(path)),
+                       check=True, env=ENV)
+        return str(path)
+
+    before = profile_now(out / f"profile_{rate:g}_before.json")
+    # A fresh server per rate, as the simulation starts fresh: every rate
+    # sends the same prompts (same seed), and a server kept from the last
+    # rate would serve most of them from its prefix cache.
+    with serving(ENGINE_FLAGS + ADMISSION_FLAGS) as base_url:
+        frontend_s = frontend_latency_s(base_url)
+        gaps_before = live_decode_gaps_s(base_url)
+        subprocess.run(kvserve("bench", "--base-url", base_url, *load_flags(args, rate), "--tokenizer", gguf,
+                               "--no-progress", "--out", str(out / f"bench_{rate:g}")), check=True, env=ENV)
+        # Probes after the run too, as the profile brackets it: one
+        # moment's probe can catch the machine slow or fast.
+        gaps_after = live_decode_gaps_s(base_url, first_probe=4)
+        live_step_s = statistics.median(gaps_before + gaps_after)
+    after = profile_now(out / f"profile_{rate:g}_after.json")
+    profile = bracket(before, after, out / f"profile_{rate:g}.json")
+    _, scale = calibrated(profile, live_step_s, out / f"profile_{rate:g}_calibrated.json")
+    profile_doc = json.loads(Path(profile).read_text())
+    jitter = {k: v for k, v in (profile_doc.get("step_jitter") or {}).items() if k != "ratios"}
+    return {**profile_doc["fit"], "step_jitter": jitter, "frontend_latency_s": frontend_s,
+            "live_decode_step_s": live_step_s, "calibration_scale": scale,
+            "live_decode_step_before_s": statistics.median(gaps_before),
+            "live_decode_step_after_s": statistics.median(gaps_after)}
 
 
 def main() -> int:
@@ -210,88 +307,69 @@ def main() -> int:
     parser.add_argument("--workload", default="short", help="bench workload (same flag as kvserve bench)")
     parser.add_argument("--slo", default="ttft=3,tpot=0.5", help="SLO for goodput (bench syntax)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jitter-seeds", type=int, default=9,
+                        help="step jitter realizations simulated per rate; the table shows their median")
     parser.add_argument("--profile-budget", type=float, default=90.0,
                         help="seconds of profiling before and after each rate")
     parser.add_argument("--profile", default=None, help="reuse this profile JSON instead of profiling")
+    parser.add_argument("--resimulate", action="store_true",
+                        help="skip the live runs: simulate again against those saved in --out (its "
+                             "validation.json, bench reports and profiles), e.g. after a simulator change")
     parser.add_argument("--out", default="bench-out/sim-validation")
     args = parser.parse_args()
+    if args.jitter_seeds < 1:
+        parser.error("--jitter-seeds must be >= 1")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gguf = str(default_model_path())
-    # One engine configuration for the profile, the server and the simulation.
-    engine = ["--kv-cache-memory", "1GiB", "--max-num-seqs", "16", "--max-num-batched-tokens", "256"]
-    # The admission promise matches what this CPU can keep (the default 0.1 s
-    # TPOT would cap the batch at one sequence here).
-    admission = ["--ttft-slo", "3", "--tpot-slo", "0.5"]
     started = time.monotonic()
-
-    def profile_now(path: Path) -> str:
-        """Profile right before the run it predicts: on a shared machine the
-        speed drifts with other load within minutes."""
-        if args.profile is not None:
-            return args.profile
-        subprocess.run(kvserve("profile", *engine, "--prefill-tokens", "0,16,48,96",
-                               "--decode-batch", "0,1,2,4,8", "--context", "32,96", "--repeats", "5",
-                               "--time-budget", str(args.profile_budget), "--out", str(path)),
-                       check=True, env=ENV)
-        return str(path)
-
-    results, results_calibrated, fits = {}, {}, {}
-    for rate in [float(r) for r in args.rates.split(",")]:
-        before = profile_now(out / f"profile_{rate:g}_before.json")
-        load = ["--workload", args.workload, "--rate", str(rate), "--num-requests",
-                str(args.num_requests), "--seed", str(args.seed), "--slo", args.slo]
-        # A fresh server per rate, as the simulation starts fresh: every rate
-        # sends the same prompts (same seed), and a server kept from the last
-        # rate would serve most of them from its prefix cache.
-        with serving(engine + admission) as base_url:
-            frontend_s = frontend_latency_s(base_url)
-            gaps_before = live_decode_gaps_s(base_url)
-            subprocess.run(kvserve("bench", "--base-url", base_url, *load, "--tokenizer", gguf,
-                                   "--no-progress", "--out", str(out / f"bench_{rate:g}")), check=True, env=ENV)
-            # Probes after the run too, as the profile brackets it: one
-            # moment's probe can catch the machine slow or fast.
-            gaps_after = live_decode_gaps_s(base_url, first_probe=4)
-            live_step_s = statistics.median(gaps_before + gaps_after)
-        after = profile_now(out / f"profile_{rate:g}_after.json")
-        profile = bracket(before, after, out / f"profile_{rate:g}.json")
-        calibrated_profile, scale = calibrated(profile, live_step_s, out / f"profile_{rate:g}_calibrated.json")
-        real = json.loads((out / f"bench_{rate:g}" / "report.json").read_text())
-        for name, hardware in (("sim", profile), ("sim_calibrated", calibrated_profile)):
-            rc = kvserve_main(["simulate", "--model", gguf, "--hardware", hardware, *load, *engine,
-                               *admission, "--frontend-latency-ms", f"{frontend_s * 1e3:.3f}",
-                               "--out", str(out / f"{name}_{rate:g}")])
-            if rc != 0:
-                raise SystemExit(f"simulate failed with {rc}")
-            sim = json.loads((out / f"{name}_{rate:g}" / "report.json").read_text())
-            (results if name == "sim" else results_calibrated)[f"{rate:g}"] = compare(real, sim)
-        fits[f"{rate:g}"] = {**json.loads(Path(profile).read_text())["fit"], "frontend_latency_s": frontend_s,
-                             "live_decode_step_s": live_step_s, "calibration_scale": scale,
-                             "live_decode_step_before_s": statistics.median(gaps_before),
-                             "live_decode_step_after_s": statistics.median(gaps_after)}
-    document = {"rates": results, "rates_calibrated": results_calibrated, "profile_fits": fits,
+    if args.resimulate:
+        saved = json.loads((out / "validation.json").read_text())
+        for key in ("rates", "num_requests", "workload", "slo", "seed"):
+            setattr(args, key, saved["args"][key])
+        fits = saved["profile_fits"]
+    else:
+        fits = {f"{rate:g}": measure_rate(args, out, rate, gguf) for rate in map(float, args.rates.split(","))}
+    results: dict[str, dict] = {name: {} for name in VARIANTS}
+    for rate, fit in fits.items():
+        for name, rows in simulate_rate(args, out, float(rate), gguf, fit["frontend_latency_s"]).items():
+            results[name][rate] = rows
+    document = {"rates": results["sim"], "rates_no_jitter": results["sim_no_jitter"],
+                "rates_calibrated": results["sim_calibrated"], "profile_fits": fits,
                 "wall_s": time.monotonic() - started, "args": vars(args)}
     (out / "validation.json").write_text(json.dumps(document, indent=1))
-    print("profile as measured:")
+    print(f"error of the simulation: as measured (the profile and its step jitter: the median over "
+          f"{args.jitter_seeds} realizations, and their range), as measured without the jitter, and "
+          f"calibrated to the live server's batch-1 decode step (probes before and after the bench run)")
     print(format_table(results))
-    print("profile calibrated to the live server's batch-1 decode step (probes before and after the bench run):")
-    print(format_table(results_calibrated))
     print(f"wall {document['wall_s']:.0f} s; wrote {out / 'validation.json'}")
     return 0
 
 
-def format_table(results: dict) -> str:
-    lines = [f"{'rate':>6} {'metric':<16} {'real':>10} {'sim':>10} {'error':>8}"]
-    for rate, rows in results.items():
+def format_table(results: dict[str, dict]) -> str:
+    """One row per rate and metric: the real value, then each variant's
+    simulated value and relative error."""
+    variants = list(results)
+    lines = [f"{'rate':>6} {'metric':<16} {'real':>9}"
+             + "".join(f" {v:>22}" + (f" {'range':>15}" if v == variants[0] else "") for v in variants)]
+    for rate, rows in results[variants[0]].items():
         for name, row in rows.items():
-            scale = 1000.0 if name != "goodput" else 1.0
-            unit = "ms" if name != "goodput" else "req/s"
-            real = "-" if row["real"] is None else f"{row['real'] * scale:.1f}"
-            sim = "-" if row["sim"] is None else f"{row['sim'] * scale:.1f}"
-            err = "-" if row["rel_error"] is None else f"{row['rel_error']:.0%}"
-            lines.append(f"{rate:>6} {name + ' ' + unit:<16} {real:>10} {sim:>10} {err:>8}")
+            scale, unit = (1.0, "req/s") if name == "goodput" else (1000.0, "ms")
+            line = f"{rate:>6} {name + ' ' + unit:<16} {_number(row['real'], scale):>9}"
+            for variant in variants:
+                cell = results[variant][rate][name]
+                err = "-" if cell["rel_error"] is None else f"{cell['rel_error']:.0%}"
+                line += f" {_number(cell['sim'], scale):>14} {err:>7}"
+                if variant == variants[0]:
+                    low, high = cell.get("sim_min"), cell.get("sim_max")
+                    line += f" {_number(low, scale) + '-' + _number(high, scale):>15}"
+            lines.append(line)
     return "\n".join(lines)
+
+
+def _number(value: float | None, scale: float) -> str:
+    return "-" if value is None else f"{value * scale:.1f}"
 
 
 if __name__ == "__main__":

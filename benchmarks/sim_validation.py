@@ -13,11 +13,13 @@
    workload (same seed: identical request lengths and arrival times), with
    the profile as measured and with the profile scaled to the live decode
    step (the machine's speed drifts between profiling and serving, and the
-   server shares it with its frontend and the bench client); both apply
-   the step jitter the profiles measured (`--step-jitter profile`);
+   server shares it with its frontend and the bench client), both with the
+   step jitter the profiles measured (`--step-jitter profile`, the median
+   of --jitter-seeds realizations), and the profile as measured without it;
 3. prints the relative error of p50 / p99 TTFT and TPOT and of goodput
-   for both (target: 15% at p50, 25% at p99, for rates below saturation)
-   and writes OUT/validation.json.
+   for each (target: 15% at p50, 25% at p99, for rates below saturation)
+   and writes OUT/validation.json. `--resimulate` redoes step 2's
+   simulations and step 3 against the live runs saved in OUT.
 
 Bounded: the profile has a time budget and each rate sends --num-requests.
 
@@ -199,30 +201,36 @@ def relative_error(sim: float | None, real: float | None) -> float | None:
     return abs(sim - real) / abs(real)
 
 
+ROWS = tuple(f"{metric}_{q}" for metric, q in METRICS) + ("goodput",)
+
+
+def summary_value(report: dict, row: str) -> float | None:
+    summary = report["summary"]
+    if row == "goodput":
+        return summary["goodput"]
+    metric, q = row.split("_")
+    return summary[metric][q]
+
+
 def compare(real: dict, sims: list[dict]) -> dict:
-    """Per metric: the real value, the median of the simulated ones (one per
+    """Per row: the real value, the median of the simulated ones (one per
     jitter realization; a single one without jitter), their range, and the
     median's relative error."""
     rows = {}
-    for name, path in [(f"{metric}_{q}", (metric, q)) for metric, q in METRICS] + [("goodput", ("goodput",))]:
-        def value(report: dict):
-            v = report["summary"]
-            for key in path:
-                v = v[key]
-            return v
-
-        a = value(real)
-        values = sorted(v for v in (value(sim) for sim in sims) if v is not None)
+    for row in ROWS:
+        a = summary_value(real, row)
+        values = sorted(v for v in (summary_value(sim, row) for sim in sims) if v is not None)
         b = statistics.median(values) if values else None
-        rows[name] = {"real": a, "sim": b, "rel_error": relative_error(b, a),
-                      "sim_min": values[0] if values else None, "sim_max": values[-1] if values else None}
+        rows[row] = {"real": a, "sim": b, "rel_error": relative_error(b, a),
+                     "sim_min": values[0] if values else None, "sim_max": values[-1] if values else None}
     return rows
 
 
-# The simulations compared with each live run: the issue's method (the
-# profile as measured, with its step jitter), the same without the jitter,
-# and the diagnostic calibration to the live decode step.
-VARIANTS = ("sim", "sim_no_jitter", "sim_calibrated")
+# The simulations compared with each live run, by name: which profile
+# (the bracketed one, or it calibrated to the live decode step) and the
+# step jitter. "sim" is the issue's method: the profile as measured, with
+# its jitter.
+VARIANTS = {"sim": ("", "profile"), "sim_no_jitter": ("", "none"), "sim_calibrated": ("_calibrated", "profile")}
 ENGINE_FLAGS = ["--kv-cache-memory", "1GiB", "--max-num-seqs", "16", "--max-num-batched-tokens", "256"]
 # The admission promise matches what this CPU can keep (the default 0.1 s
 # TPOT would cap the batch at one sequence here).
@@ -240,22 +248,20 @@ def simulate_rate(args: argparse.Namespace, out: Path, rate: float, gguf: str, f
     runs --jitter-seeds realizations: a p99 of a few dozen requests is
     nearly their maximum, and one draw of it says little."""
     real = json.loads((out / f"bench_{rate:g}" / "report.json").read_text())
-    profile, calibrated_profile = out / f"profile_{rate:g}.json", out / f"profile_{rate:g}_calibrated.json"
     compared = {}
-    for name, hardware, jitter in (("sim", profile, "profile"), ("sim_no_jitter", profile, "none"),
-                                   ("sim_calibrated", calibrated_profile, "profile")):
-        summaries = []
+    for name, (profile_suffix, jitter) in VARIANTS.items():
+        hardware, summaries = out / f"profile_{rate:g}{profile_suffix}.json", []
         for jitter_seed in range(args.jitter_seeds if jitter == "profile" else 1):
+            run_out = out / (f"{name}_{rate:g}" + (f"_j{jitter_seed}" if jitter_seed else ""))
             quiet = contextlib.redirect_stdout(io.StringIO()) if jitter_seed else contextlib.nullcontext()
-            with quiet:  # the first realization's report is printed and kept on disk
-                rc = kvserve_main(["simulate", "--model", gguf, "--hardware", str(hardware), *load_flags(args, rate),
-                                   *ENGINE_FLAGS, *ADMISSION_FLAGS, "--frontend-latency-ms", f"{frontend_s * 1e3:.3f}",
-                                   "--step-jitter", jitter, "--jitter-seed", str(jitter_seed),
-                                   "--out", str(out / (f"{name}_{rate:g}" + (f"_j{jitter_seed}" if jitter_seed else "")))])
+            with quiet:  # the first realization's report is printed
+                rc = kvserve_main(["simulate", "--model", gguf, "--hardware", str(hardware),
+                                   *load_flags(args, rate), *ENGINE_FLAGS, *ADMISSION_FLAGS,
+                                   "--frontend-latency-ms", f"{frontend_s * 1e3:.3f}", "--step-jitter", jitter,
+                                   "--jitter-seed", str(jitter_seed), "--out", str(run_out)])
             if rc != 0:
                 raise SystemExit(f"simulate failed with {rc}")
-            suffix = f"_j{jitter_seed}" if jitter_seed else ""
-            summaries.append(json.loads((out / f"{name}_{rate:g}{suffix}" / "report.json").read_text()))
+            summaries.append(json.loads((run_out / "report.json").read_text()))
         compared[name] = compare(real, summaries)
     return compared
 

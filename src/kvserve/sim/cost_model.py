@@ -203,8 +203,7 @@ class LinearCostModel:
         for name in LINEAR_FEATURES:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if any(not r > 0 for r in self.step_jitter):  # `not >` also refuses NaN
-            raise ValueError("step jitter ratios must be > 0")
+        _check_jitter_ratios(self.step_jitter)
         knots, values = self.token_knots, self.token_knot_s
         if len(knots) != len(values):
             raise ValueError(f"{len(knots)} token knots but {len(values)} knot times")
@@ -250,6 +249,11 @@ class LinearCostModel:
         return described
 
 
+def _check_jitter_ratios(ratios: tuple[float, ...]) -> None:
+    if any(not r > 0 for r in ratios):  # `not >` also refuses NaN
+        raise ValueError("step jitter ratios must be > 0")
+
+
 def jitter_summary(ratios: tuple[float, ...]) -> dict:
     """How many ratios, and their p50 / p90 / p99 / max (nearest rank) and mean."""
     ordered = sorted(ratios)
@@ -277,8 +281,7 @@ class JitteredCostModel:
     def __init__(self, base: CostModel, ratios: tuple[float, ...], seed: int) -> None:
         if not ratios:
             raise ValueError("step jitter needs at least one measured ratio")
-        if any(not r > 0 for r in ratios):
-            raise ValueError("step jitter ratios must be > 0")
+        _check_jitter_ratios(ratios)
         self.base = base
         self.ratios = tuple(ratios)
         self.seed = seed

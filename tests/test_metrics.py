@@ -55,6 +55,11 @@ def test_counters_and_histograms_match_a_known_workload():
     assert metric(s, "vllm:prefix_cache_queries_total") >= metric(s, "vllm:prefix_cache_hits_total")
     assert metric(s, "vllm:num_requests_running") == 0
     assert metric(s, "vllm:kv_cache_usage_perc") == 0
+    # One request at a time: a prefill step each, then a step per further token.
+    assert metric(s, "kvserve_engine_step_seconds_count", kind="prefill") == 7
+    assert metric(s, "kvserve_engine_step_seconds_count", kind="decode") == 5 * 5 + 2 * 1
+    assert metric(s, "kvserve_engine_step_seconds_count", kind="mixed") == 0
+    assert metric(s, "kvserve_engine_step_seconds_sum", kind="decode") > 0
 
 
 def test_histogram_buckets_and_slo_counters_from_timestamps():

@@ -25,6 +25,9 @@ TOKEN_BUCKETS_S = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.0
                    0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
+STEP_KINDS = ("decode", "prefill", "mixed")
+
+
 class ServerMetrics:
     """Records finished requests, scheduler samples and front-door decisions."""
 
@@ -60,6 +63,12 @@ class ServerMetrics:
                                   "First scheduled to first token (s).", LATENCY_BUCKETS_S)
         self.decode = self._hist("vllm:request_decode_time_seconds",
                                  "First token to last token (s).", LATENCY_BUCKETS_S)
+        self.step = Histogram("kvserve_engine_step_seconds",
+                              "Engine step (schedule, forward pass, sampling, update) by kind: decode (decodes "
+                              "only), prefill (prefill chunks only) or mixed (s).",
+                              ["model_name", "kind"], buckets=TOKEN_BUCKETS_S, registry=self.registry)
+        for kind in STEP_KINDS:  # exported at 0 from the start
+            self.step.labels(model_name=self.model_name, kind=kind)
 
     def _counters(self) -> None:
         self.prompt_tokens = self._counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
@@ -131,6 +140,18 @@ class ServerMetrics:
         tpot_ok = tpot_s is None or tpot_s <= self.tpot_slo_s  # one token: no decode to judge
         for slo, ok in (("ttft", ttft_ok), ("tpot", tpot_ok), ("both", ttft_ok and tpot_ok)):
             self.slo.labels(model_name=self.model_name, slo=slo, result="met" if ok else "missed").inc()
+
+    def record_step(self, num_decode_seqs: int, num_prefill_tokens: int, step_s: float) -> None:
+        """One engine step's time, by what it computed. Its spread for one
+        kind of step is the machine's step jitter (what `kvserve profile`
+        measures for the simulator); steps that did no work are not steps."""
+        if num_decode_seqs and num_prefill_tokens:
+            kind = "mixed"
+        elif num_decode_seqs or num_prefill_tokens:
+            kind = "decode" if num_decode_seqs else "prefill"
+        else:
+            return
+        self.step.labels(model_name=self.model_name, kind=kind).observe(step_s)
 
     def record_stats(self, num_running: int, num_waiting: int, kv_usage: float, num_preemptions: int,
                      prefix_cache_queries: int, prefix_cache_hits: int) -> None:

@@ -189,6 +189,7 @@ class Serving:
         for done in report.finished:
             self._on_finished(done)
         self.admission.observe_step(report.num_decode_seqs, report.num_prefill_tokens, report.step_s)
+        self.metrics.record_step(report.num_decode_seqs, report.num_prefill_tokens, report.step_s)
         num_running = 0
         if report.stats is not None:
             s = report.stats

@@ -174,6 +174,22 @@ def test_degrade_caps_max_tokens_instead_of_refusing():
     assert no_degrade.check(req(prompt=16, max_tokens=64)).outcome == REJECT
 
 
+def test_degrade_counts_queueing_not_the_latency_of_being_scheduled():
+    # degrade_wait_s=0: degrade whatever must queue, never what starts at once.
+    ctl, clock = make(num_blocks=100, block_size=16, max_num_seqs=4, degrade_wait_s=0.0,
+                      degrade_max_tokens=5)
+    first = req(max_tokens=10)
+    assert admit(ctl, first).outcome == ADMIT
+    clock.now += 0.02  # it took 20 ms to be scheduled: a start latency, not a queue
+    ctl.on_start(first.request_id)
+    clock.now += 1.0
+    ctl.on_finish(first.request_id)  # and a drain rate is measured
+    assert ctl.expected_wait_s(req(max_tokens=10))[0] > 0
+    free_slots = [admit(ctl, req(max_tokens=10)).outcome for _ in range(4)]
+    assert free_slots == [ADMIT] * 4
+    assert ctl.check(req(max_tokens=10)).outcome == DEGRADE  # all four slots are taken
+
+
 def test_queue_timeout_and_deadline_expire_unstarted_requests():
     ctl, clock = make(num_blocks=1000, queue_timeout_s=5.0)
     waiting = req()

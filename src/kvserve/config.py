@@ -98,7 +98,8 @@ class AdmissionConfig:
       batch so the measured decode step time stays inside it.
     retry_budget: retry tokens earned per admission (0.1 = retries may be at
       most ~10% of admissions); retry_budget_burst: the bucket's size.
-    degrade_wait_s: above this expected wait, cap max_tokens to
+    degrade_wait_s: above this expected queueing (the wait beyond the
+      measured latency of being scheduled at all), cap max_tokens to
       degrade_max_tokens instead of refusing (None disables degradation).
     drain_window_s: time constant of the measured drain rate (EWMA).
     """

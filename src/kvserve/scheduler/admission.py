@@ -582,7 +582,10 @@ class AdmissionController:
                 if capped_wait_s <= limit_s:
                     return AdmissionDecision(DEGRADE, cap, expected_wait_s=capped_wait_s)
             return self._wait_refusal(request, wait_s, binding, limit_s)
-        if degrade_wait_s is not None and can_degrade and wait_s > degrade_wait_s:
+        # Degrade on queueing only: the fixed latency of being scheduled at
+        # all is paid by every request, even one that starts at once, and
+        # counting it would degrade requests that take a free slot.
+        if degrade_wait_s is not None and can_degrade and wait_s - self._start_latency_s > degrade_wait_s:
             return AdmissionDecision(DEGRADE, cap, expected_wait_s=wait_s)
         return AdmissionDecision(ADMIT, request.max_tokens, expected_wait_s=wait_s)
 

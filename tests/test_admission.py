@@ -305,12 +305,39 @@ def test_one_batch_size_grows_the_cap_by_one_or_scales_it_down():
     assert prompt_only.running_cap() == 64  # no decode measured yet
 
 
+def test_convex_prefill_cost_does_not_charge_the_fixed_step_cost_to_each_decode():
+    # As measured on this CPU: large prefill chunks cost more per token than
+    # small ones (the warm-up's 496-token chunk 5 ms/token, a 25-token one 2).
+    # A line through them and the decodes had a negative intercept, was
+    # refitted through the origin and charged the 45 ms fixed cost to each
+    # decode sequence: a cap of 2. Decode-only steps alone give 45 + 7 B.
+    ctl, _ = make(max_num_seqs=64, tpot_slo_s=0.1)
+
+    def prefill_s(p):
+        return 0.045 + 0.002 * p + 0.000006 * p * p
+
+    def decodes(n):
+        for d in (1, 2) * n:
+            ctl.observe_step(d, 0, 0.045 + 0.007 * d)
+
+    for p in (496, 372, 248, 124):  # the warm-up's chunks
+        ctl.observe_step(0, p, prefill_s(p))
+    decodes(10)
+    for p in (22, 37):  # lone prompts, each in one step
+        ctl.observe_step(0, p, prefill_s(p))
+    decodes(3)
+    assert ctl.step_model.fit().intercept_s == 0.0  # the joint line bends to the origin
+    decode = ctl.step_model.decode_fit()
+    assert decode.intercept_s == pytest.approx(0.045) and decode.per_decode_seq_s == pytest.approx(0.007)
+    assert ctl.running_cap() == 6  # 45 + 7 B <= 90 ms
+
+
 def test_a_decode_is_never_fitted_cheaper_than_a_prefill_token():
     # Decode counts that vary with no visible cost (noise on a busy machine)
     # must not lift the cap to max_num_seqs: a decode costs at least what a
-    # prefill token does (1 ms here), so 31 + 1 x B <= 90 ms gives 59.
+    # prefill token does (1 ms here), so 30.5 + 1 x B <= 90 ms gives 59.
     ctl, _ = make(max_num_seqs=256, tpot_slo_s=0.1)
-    _feed(ctl, [(d, p) for d in (2, 3, 4) for p in (0, 32, 64)] * 4, 0.031, 0.0, 0.001)
+    _feed(ctl, [(d, p) for d in (2, 3, 4) for p in (0, 32, 64)] * 4, 0.0305, 0.0, 0.001)
     assert ctl.running_cap() == 59
 
 

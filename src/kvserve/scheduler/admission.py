@@ -188,7 +188,14 @@ class StepTimeModel:
     cost very differently per token: a prefill token shares the weight read
     with a whole chunk, a decode sequence pays its own KV read and sampling.
     Fitting one slope over both lets 512-token prefill chunks flatten the
-    slope and inflate the decode cap."""
+    slope and inflate the decode cap.
+
+    The decode-only steps are also fitted on their own (`decode_fit`), for
+    the running cap: prefill cost is convex in the chunk on a CPU (attention
+    over the chunk; measured 2 ms per token at 25 tokens, 5 at 496), so a
+    line through large chunks and decodes can come out with a negative
+    intercept, be refitted through the origin, and charge the whole fixed
+    step cost to each decode sequence (a cap of 2 where 5 fit)."""
 
     def __init__(self, decay: float = 0.98) -> None:
         self._decay = decay
@@ -196,6 +203,10 @@ class StepTimeModel:
         # (d = decode seqs, p = prefill tokens, y = step seconds).
         self._w = self._d = self._p = self._y = 0.0
         self._dd = self._pp = self._dp = self._dy = self._py = 0.0
+        # The same of the decode-only steps (p = 0), decayed per such step.
+        self._dec_w = self._dec_d = self._dec_y = self._dec_dd = self._dec_dy = 0.0
+        self._decode_fit_is_current = False
+        self._decode_fit: StepFit | None = None
         # The fit changes only when a step is observed, but admission asks
         # for it several times per request: solve once per observation.
         self._fit_is_current = False
@@ -209,6 +220,11 @@ class StepTimeModel:
         self._dd, self._pp, self._dp = self._dd * k + d * d, self._pp * k + p * p, self._dp * k + d * p
         self._dy, self._py = self._dy * k + d * y, self._py * k + p * y
         self._fit_is_current = False
+        if num_prefill_tokens == 0:
+            self._dec_w = self._dec_w * k + 1.0
+            self._dec_d, self._dec_y = self._dec_d * k + d, self._dec_y * k + y
+            self._dec_dd, self._dec_dy = self._dec_dd * k + d * d, self._dec_dy * k + d * y
+            self._decode_fit_is_current = False
 
     def observe_steps(self, steps: Iterable[tuple[int, int, float]]) -> None:
         """`observe` of each (num_decode_seqs, num_prefill_tokens, step_s) in
@@ -218,6 +234,7 @@ class StepTimeModel:
         k = self._decay
         w, sd, sp, sy = self._w, self._d, self._p, self._y
         sdd, spp, sdp, sdy, spy = self._dd, self._pp, self._dp, self._dy, self._py
+        dec_w, dec_d, dec_y, dec_dd, dec_dy = self._dec_w, self._dec_d, self._dec_y, self._dec_dd, self._dec_dy
         for num_decode_seqs, num_prefill_tokens, step_s in steps:
             if not (num_decode_seqs + num_prefill_tokens > 0 and step_s >= 0):
                 continue
@@ -226,9 +243,14 @@ class StepTimeModel:
             sd, sp, sy = sd * k + d, sp * k + p, sy * k + y
             sdd, spp, sdp = sdd * k + d * d, spp * k + p * p, sdp * k + d * p
             sdy, spy = sdy * k + d * y, spy * k + p * y
+            if num_prefill_tokens == 0:
+                dec_w = dec_w * k + 1.0
+                dec_d, dec_y = dec_d * k + d, dec_y * k + y
+                dec_dd, dec_dy = dec_dd * k + d * d, dec_dy * k + d * y
         self._w, self._d, self._p, self._y = w, sd, sp, sy
         self._dd, self._pp, self._dp, self._dy, self._py = sdd, spp, sdp, sdy, spy
-        self._fit_is_current = False
+        self._dec_w, self._dec_d, self._dec_y, self._dec_dd, self._dec_dy = dec_w, dec_d, dec_y, dec_dd, dec_dy
+        self._fit_is_current = self._decode_fit_is_current = False
 
     @property
     def mean_step_s(self) -> float | None:
@@ -237,6 +259,11 @@ class StepTimeModel:
     @property
     def mean_decode_seqs(self) -> float | None:
         return self._d / self._w if self._w else None
+
+    @property
+    def mean_decode_only_seqs(self) -> float | None:
+        """Mean batch of the decode-only steps (decode_fit's steps)."""
+        return self._dec_d / self._dec_w if self._dec_w else None
 
     @property
     def upper_bound_per_prefill_token_s(self) -> float | None:
@@ -250,6 +277,33 @@ class StepTimeModel:
         if not self._fit_is_current:
             self._fit, self._fit_is_current = self._solve(), True
         return self._fit
+
+    def decode_fit(self) -> StepFit | None:
+        """intercept + per_decode_seq x B over the decode-only steps alone
+        (per_prefill_token_s None); None before MIN_FIT_STEPS of them. The
+        slope is at least the joint fit's prefill token cost, for the reason
+        given in _solve."""
+        if not self._decode_fit_is_current:
+            self._decode_fit, self._decode_fit_is_current = self._solve_decode(), True
+        return self._decode_fit
+
+    def _solve_decode(self) -> StepFit | None:
+        w = self._dec_w
+        if w < MIN_FIT_STEPS:
+            return None
+        mean_d, mean_y = self._dec_d / w, self._dec_y / w
+        raw_dd, raw_dy = self._dec_dd / w, self._dec_dy / w
+        centred_dd, centred_dy = raw_dd - mean_d ** 2, raw_dy - mean_d * mean_y
+        has_d = centred_dd > MIN_FACTOR_VARIANCE
+        per_decode_s, _ = _nonnegative_slopes(has_d, False, centred_dd, 0.0, 0.0, centred_dy, 0.0)
+        intercept_s = mean_y if per_decode_s is None else mean_y - per_decode_s * mean_d
+        if intercept_s < 0:
+            per_decode_s, _ = _nonnegative_slopes(has_d, False, raw_dd, 0.0, 0.0, raw_dy, 0.0)
+            intercept_s = 0.0
+        joint = self.fit()
+        if per_decode_s is not None and joint is not None and joint.per_prefill_token_s is not None:
+            per_decode_s = max(per_decode_s, joint.per_prefill_token_s)
+        return StepFit(intercept_s, per_decode_s, None)
 
     def _solve(self) -> StepFit | None:
         """The least-squares fit of the decayed sums.
@@ -380,28 +434,36 @@ class AdmissionController:
     def num_inflight(self, tenant: str | None = None) -> int:
         return sum(1 for t in self._tickets.values() if tenant is None or t.request.tenant == tenant)
 
+    def _decode_step_fit(self) -> tuple[StepFit | None, float | None]:
+        """The decode step's fit and the mean batch it was measured at: the
+        decode-only steps' own fit once there are enough of them, the joint
+        fit before."""
+        decode = self.step_model.decode_fit()
+        if decode is not None:
+            return decode, self.step_model.mean_decode_only_seqs
+        return self.step_model.fit(), self.step_model.mean_decode_seqs
+
     def running_cap(self) -> int:
         """Largest running batch B whose predicted decode step
         (intercept + per_decode_seq * B) fits the TPOT target with headroom;
         at least 1, at most max_num_seqs (also while nothing is measured)."""
         budget_s = self.config.tpot_slo_s * TPOT_HEADROOM
-        fit = self.step_model.fit()
+        fit, mean_seqs = self._decode_step_fit()
         if fit is None:
             return self.max_num_seqs
         if fit.per_decode_seq_s is None:
-            return self._cap_from_one_batch_size(fit.intercept_s, budget_s)
+            return self._cap_from_one_batch_size(fit.intercept_s, budget_s, mean_seqs)
         if fit.per_decode_seq_s == 0:  # no cost per sequence over the sizes seen
             return self.max_num_seqs if fit.intercept_s <= budget_s else 1
         cap = math.floor((budget_s - fit.intercept_s) / fit.per_decode_seq_s)
         return max(1, min(self.max_num_seqs, cap))
 
-    def _cap_from_one_batch_size(self, decode_step_s: float, budget_s: float) -> int:
-        """One decode batch size seen; its step (without prefill) took
-        `decode_step_s`. No decodes at all: nothing measured, no cap. Too
-        slow: scale the batch down in proportion. Fast enough: let it grow by
-        one sequence, not to max_num_seqs at once, so a burst cannot start
-        before the next batch size is measured."""
-        mean_seqs = self.step_model.mean_decode_seqs
+    def _cap_from_one_batch_size(self, decode_step_s: float, budget_s: float, mean_seqs: float | None) -> int:
+        """One decode batch size seen (`mean_seqs` sequences); its step
+        (without prefill) took `decode_step_s`. No decodes at all: nothing
+        measured, no cap. Too slow: scale the batch down in proportion. Fast
+        enough: let it grow by one sequence, not to max_num_seqs at once, so
+        a burst cannot start before the next batch size is measured."""
         if mean_seqs is None or mean_seqs < 0.5:
             return self.max_num_seqs
         if decode_step_s > budget_s:
@@ -428,7 +490,8 @@ class AdmissionController:
             return max(min_chunk, math.floor(budget_s / per_token_s))
         if fit.per_prefill_token_s == 0:
             return None
-        left_s = budget_s - fit.intercept_s - (fit.per_decode_seq_s or 0.0) * num_decode_seqs
+        decode = self._decode_step_fit()[0] or fit  # the decode step as the running cap predicts it
+        left_s = budget_s - decode.intercept_s - (decode.per_decode_seq_s or 0.0) * num_decode_seqs
         return max(min_chunk, math.floor(left_s / fit.per_prefill_token_s))
 
     def step_limits(self, num_running: int) -> StepLimits:

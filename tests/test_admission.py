@@ -243,6 +243,22 @@ def test_step_model_recovers_intercept_and_both_slopes():
     assert ctl.step_limits(2) == (3, 2 + 24)
 
 
+def test_with_nothing_decoding_the_fitted_step_limits_leave_prefill_to_the_scheduler():
+    # A longer step delays no one's next token when no running request
+    # decodes (none runs, or all are part-way through their prompt): a lone
+    # prompt then runs in the scheduler's own chunks, not TPOT-sized ones.
+    ctl, _ = make(max_num_seqs=64, tpot_slo_s=0.105)
+    _feed(ctl, _GRID * 3, 0.04, 0.015, 0.001)
+    assert ctl.step_limits(0, decoding=False) == (3, None)
+    assert ctl.step_limits(2, decoding=False) == (3, None)
+    assert ctl.step_limits(2, decoding=True) == (3, 2 + 24)  # beside decodes the budget holds
+    # Before the fit the upper bound stays even at idle: a burst must not
+    # start on full-size chunks before the running cap is measured.
+    cold, _ = make(max_num_seqs=64, tpot_slo_s=0.1)
+    cold.observe_step(0, 512, 1.0)
+    assert cold.step_limits(0, decoding=False) == (64, 46)
+
+
 def test_step_model_fit_tolerates_noisy_steps():
     ctl, _ = make(max_num_seqs=64, tpot_slo_s=0.105)
     _feed(ctl, _GRID * 3, 0.04, 0.015, 0.001, noise=0.05, seed=7)

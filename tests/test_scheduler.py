@@ -243,6 +243,23 @@ def test_step_token_limit_is_clamped_to_the_config_and_none_restores_it():
     assert step(sched, clock).num_batched_tokens == 32
 
 
+def test_stats_say_whether_the_next_step_decodes():
+    sched, clock = make_scheduler(budget=32)
+    assert not sched.stats().decoding  # nothing runs
+    sched.add_request(make_request("long", num_prompt=80, max_tokens=3))
+    step(sched, clock)
+    assert sched.stats().num_running == 1 and not sched.stats().decoding  # part-way through its prompt
+    step(sched, clock)
+    step(sched, clock)  # the prompt's last chunk samples the first token
+    assert sched.stats().decoding and sched.has_decodes()
+    sched.add_request(make_request("next", num_prompt=80, max_tokens=3, first_token=200))
+    step(sched, clock)  # "long" decodes beside the new prompt's first chunk
+    assert sched.stats().num_running == 2 and sched.stats().decoding
+    while sched.get_request("long") is not None:
+        step(sched, clock)
+    assert sched.stats().num_running == 1 and not sched.stats().decoding  # only "next", mid-prompt
+
+
 def test_step_shape_splits_decodes_from_prefill_tokens():
     sched, clock = make_scheduler(budget=64)
     sched.add_request(make_request("a", num_prompt=10, max_tokens=5))

@@ -494,12 +494,22 @@ class AdmissionController:
         left_s = budget_s - decode.intercept_s - (decode.per_decode_seq_s or 0.0) * num_decode_seqs
         return max(min_chunk, math.floor(left_s / fit.per_prefill_token_s))
 
-    def step_limits(self, num_running: int) -> StepLimits:
+    def step_limits(self, num_running: int, decoding: bool = True) -> StepLimits:
         """Limits for the next step when `num_running` sequences are running:
         every one of them may decode, so the token budget is num_running plus
-        the prefill that fits beside them (None: the scheduler's own)."""
+        the prefill that fits beside them (None: the scheduler's own).
+
+        `decoding` False says none of them decodes in the next step (all are
+        part-way through their prompt, or none runs): a longer step then
+        delays no one's next token, so once step times are fitted the
+        scheduler's own budget applies and a lone prompt runs in one step
+        instead of TPOT-sized chunks. Before the fit the bound stays (see
+        prefill_token_budget)."""
+        cap = self.running_cap()
+        if not decoding and self.step_model.fit() is not None:
+            return StepLimits(cap, None)
         prefill = self.prefill_token_budget(num_running)
-        return StepLimits(self.running_cap(), None if prefill is None else num_running + prefill)
+        return StepLimits(cap, None if prefill is None else num_running + prefill)
 
     def max_wait_s(self, priority: int) -> float:
         """The class's limit: deferred classes (priority > 0) wait longer."""

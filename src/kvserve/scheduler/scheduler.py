@@ -98,6 +98,10 @@ class SchedulerStats(NamedTuple):
     kv_usage: float  # 0..1
     prefix_cache_queries: int  # tokens
     prefix_cache_hits: int  # tokens
+    # Some running request decodes in the next step (the rest, if any, are
+    # part-way through their prompt): whether a step's size delays anyone's
+    # next token.
+    decoding: bool
 
 
 # Sort key of running requests: most urgent first; the last is the
@@ -174,7 +178,16 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache
         return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions,
-                              kv.usage(), kv.prefix_cache_queries, kv.prefix_cache_hits)
+                              kv.usage(), kv.prefix_cache_queries, kv.prefix_cache_hits, self.has_decodes())
+
+    def has_decodes(self) -> bool:
+        """Whether some running request has only its last sampled token left
+        to run, so the next step decodes it. (Usually the first one looked at:
+        requests part-way through their prompt are few.)"""
+        for request in self.running.values():
+            if len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens == 1:
+                return True
+        return False
 
     # -- the step ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

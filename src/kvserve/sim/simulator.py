@@ -474,7 +474,8 @@ class Simulator:
         now = replica.clock.now_s
         if replica.admission is not None:
             self._expire(replica)
-            limits = replica.admission.step_limits(len(replica.scheduler.running))
+            scheduler = replica.scheduler
+            limits = replica.admission.step_limits(len(scheduler.running), scheduler.has_decodes())
             replica.scheduler.set_step_limits(*limits)
         if self.config.fast_forward and self._start_run(replica):
             return

@@ -7,7 +7,7 @@ import pytest
 
 from kvserve.plan.presets import preset
 from kvserve.sim.cost_model import (JitteredCostModel, LinearCostModel, RooflineCostModel, StepShape,
-                                    fit_linear_cost_model, load_profile, profile_json,
+                                    fit_linear_cost_model, jitter_summary, load_profile, profile_json,
                                     resolve_hardware, with_step_jitter)
 from kvserve.sim.hardware import hardware_preset
 
@@ -227,6 +227,15 @@ def test_jitter_multiplies_each_step_by_a_measured_ratio_reproducibly():
     assert first != draws(8)
     # About 2 in 5 draws are the doubled 1.0.
     assert 0.3 < sum(1 for r in first if round(r, 9) == 1.0) / len(first) < 0.5
+
+
+def test_jitter_summary_uses_the_projects_percentile():
+    # Linear interpolation, as kvserve.latency.percentile and bench reports:
+    # p90 of (1, 1, 1, 2) sits 0.7 of the way from the third value to the
+    # fourth (nearest rank would say 2.0).
+    summary = jitter_summary((2.0, 1.0, 1.0, 1.0))
+    assert summary == {"num_ratios": 4, "p50": 1.0, "p90": pytest.approx(1.7), "p99": pytest.approx(1.97),
+                       "max": 2.0, "mean": 1.25}
 
 
 def test_jittered_decode_step_ends_draw_one_ratio_per_step():

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
+from kvserve.latency import percentile
 from kvserve.model.config import ModelConfig
 from kvserve.plan.kv_math import kv_bytes_per_token, weight_bytes
 from kvserve.sim.hardware import HardwareProfile, hardware_preset
@@ -255,15 +256,11 @@ def _check_jitter_ratios(ratios: tuple[float, ...]) -> None:
 
 
 def jitter_summary(ratios: tuple[float, ...]) -> dict:
-    """How many ratios, and their p50 / p90 / p99 / max (nearest rank) and mean."""
+    """How many ratios, and their p50 / p90 / p99 (the project's one
+    percentile definition, kvserve.latency), max and mean."""
     ordered = sorted(ratios)
-    n = len(ordered)
-
-    def rank(q: float) -> float:
-        return ordered[min(n - 1, max(0, math.ceil(q * n) - 1))]
-
-    return {"num_ratios": n, "p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99),
-            "max": ordered[-1], "mean": sum(ordered) / n}
+    return {"num_ratios": len(ordered), "p50": percentile(ordered, 50), "p90": percentile(ordered, 90),
+            "p99": percentile(ordered, 99), "max": ordered[-1], "mean": sum(ordered) / len(ordered)}
 
 
 class JitteredCostModel:

@@ -240,23 +240,22 @@ def test_step_model_recovers_intercept_and_both_slopes():
     # 9.5 ms, so the minimum chunk (16 tokens) applies.
     assert ctl.prefill_token_budget(2) == 24
     assert ctl.prefill_token_budget(3) == 16
-    assert ctl.step_limits(2) == (3, 2 + 24)
+    assert ctl.step_limits(2)[:2] == (3, 2 + 24)
 
 
-def test_with_nothing_decoding_the_fitted_step_limits_leave_prefill_to_the_scheduler():
+def test_fitted_step_limits_spare_the_steps_that_decode_no_one():
     # A longer step delays no one's next token when no running request
-    # decodes (none runs, or all are part-way through their prompt): a lone
-    # prompt then runs in the scheduler's own chunks, not TPOT-sized ones.
+    # decodes (none runs, or all are part-way through their prompt): once
+    # fitted, the budget binds only steps with a decode, so a lone prompt
+    # runs in the scheduler's own chunks, not TPOT-sized ones.
     ctl, _ = make(max_num_seqs=64, tpot_slo_s=0.105)
     _feed(ctl, _GRID * 3, 0.04, 0.015, 0.001)
-    assert ctl.step_limits(0, decoding=False) == (3, None)
-    assert ctl.step_limits(2, decoding=False) == (3, None)
-    assert ctl.step_limits(2, decoding=True) == (3, 2 + 24)  # beside decodes the budget holds
-    # Before the fit the upper bound stays even at idle: a burst must not
-    # start on full-size chunks before the running cap is measured.
+    assert ctl.step_limits(2) == (3, 2 + 24, False)
+    # Before the fit the bound binds every step: a burst must not start on
+    # full-size chunks before the running cap is measured.
     cold, _ = make(max_num_seqs=64, tpot_slo_s=0.1)
     cold.observe_step(0, 512, 1.0)
-    assert cold.step_limits(0, decoding=False) == (64, 46)
+    assert cold.step_limits(0) == (64, 46, True)
 
 
 def test_step_model_fit_tolerates_noisy_steps():
@@ -290,13 +289,13 @@ def test_decode_only_steps_fit_intercept_and_decode_slope_alone():
     ctl, _ = make(max_num_seqs=64, tpot_slo_s=0.1)
     assert ctl.running_cap() == 64  # nothing measured: no cap beyond the config
     assert ctl.prefill_token_budget(4) is None
-    assert ctl.step_limits(4) == (64, None)
+    assert ctl.step_limits(4) == (64, None, True)
     _feed(ctl, [(d, 0) for d in range(1, 9)] * 5, 0.012, 0.01, 0.0)
     fit = ctl.step_model.fit()
     assert fit.per_prefill_token_s is None  # never varied: not identified
     assert fit.intercept_s == pytest.approx(0.012) and fit.per_decode_seq_s == pytest.approx(0.01)
     assert ctl.running_cap() == 7  # 12 + 10 B <= 90 ms
-    assert ctl.step_limits(4) == (7, None)
+    assert ctl.step_limits(4)[:2] == (7, None)
 
 
 def test_before_the_fit_a_slow_prefill_step_shrinks_the_next_chunks():
@@ -306,7 +305,7 @@ def test_before_the_fit_a_slow_prefill_step_shrinks_the_next_chunks():
     assert ctl.running_cap() == 64  # no decode measured yet
     # The whole second charged to 512 tokens: 90 ms of budget holds 46.
     assert ctl.prefill_token_budget(0) == 46
-    assert ctl.step_limits(0) == (64, 46)
+    assert ctl.step_limits(0) == (64, 46, True)
 
 
 def test_one_batch_size_grows_the_cap_by_one_or_scales_it_down():

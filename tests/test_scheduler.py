@@ -243,21 +243,22 @@ def test_step_token_limit_is_clamped_to_the_config_and_none_restores_it():
     assert step(sched, clock).num_batched_tokens == 32
 
 
-def test_stats_say_whether_the_next_step_decodes():
-    sched, clock = make_scheduler(budget=32)
-    assert not sched.stats().decoding  # nothing runs
-    sched.add_request(make_request("long", num_prompt=80, max_tokens=3))
-    step(sched, clock)
-    assert sched.stats().num_running == 1 and not sched.stats().decoding  # part-way through its prompt
-    step(sched, clock)
-    step(sched, clock)  # the prompt's last chunk samples the first token
-    assert sched.stats().decoding and sched.has_decodes()
-    sched.add_request(make_request("next", num_prompt=80, max_tokens=3, first_token=200))
-    step(sched, clock)  # "long" decodes beside the new prompt's first chunk
-    assert sched.stats().num_running == 2 and sched.stats().decoding
-    while sched.get_request("long") is not None:
-        step(sched, clock)
-    assert sched.stats().num_running == 1 and not sched.stats().decoding  # only "next", mid-prompt
+def test_a_token_cap_that_spares_idle_steps_binds_as_soon_as_a_request_decodes():
+    sched, clock = make_scheduler(budget=64)
+    sched.set_step_limits(16, 8, cap_idle_steps=False)
+    sched.add_request(make_request("a", num_prompt=100, max_tokens=5))
+    # Nothing decodes (nothing runs, then "a" is part-way through its
+    # prompt): the config's 64 tokens, not 8.
+    assert [step(sched, clock).num_batched_tokens for _ in range(2)] == [64, 36]
+    sched.add_request(make_request("b", num_prompt=40, max_tokens=5, first_token=200))
+    # "a" decodes from here: the cap binds in the very step it first does.
+    beside = step(sched, clock)
+    assert (beside.num_decode_seqs, beside.num_prefill_tokens) == (1, 7)
+    sched.set_step_limits(16, 8)  # binding every step, as before the fit
+    sched.add_request(make_request("c", num_prompt=40, max_tokens=1, first_token=300))
+    sched.abort("a")
+    sched.abort("b")
+    assert step(sched, clock).num_batched_tokens == 8
 
 
 def test_step_shape_splits_decodes_from_prefill_tokens():

@@ -200,9 +200,10 @@ class AsyncEngine:
         if request_id in self.streams:
             self._send("abort", (request_id, reason))
 
-    def set_step_limits(self, max_running: int, max_batched_tokens: int | None) -> None:
+    def set_step_limits(self, max_running: int, max_batched_tokens: int | None,
+                        cap_idle_steps: bool = True) -> None:
         """Scheduler.set_step_limits, applied before the next step."""
-        self._send("limits", (max_running, max_batched_tokens))
+        self._send("limits", (max_running, max_batched_tokens, cap_idle_steps))
 
     @property
     def num_streams(self) -> int:

@@ -167,6 +167,7 @@ class StepLimits(NamedTuple):
 
     max_running: int
     max_batched_tokens: int | None
+    cap_idle_steps: bool = True  # the budget binds steps without a decode too
 
 
 class StepFit(NamedTuple):
@@ -494,22 +495,18 @@ class AdmissionController:
         left_s = budget_s - decode.intercept_s - (decode.per_decode_seq_s or 0.0) * num_decode_seqs
         return max(min_chunk, math.floor(left_s / fit.per_prefill_token_s))
 
-    def step_limits(self, num_running: int, decoding: bool = True) -> StepLimits:
+    def step_limits(self, num_running: int) -> StepLimits:
         """Limits for the next step when `num_running` sequences are running:
         every one of them may decode, so the token budget is num_running plus
         the prefill that fits beside them (None: the scheduler's own).
 
-        `decoding` False says none of them decodes in the next step (all are
-        part-way through their prompt, or none runs): a longer step then
-        delays no one's next token, so once step times are fitted the
-        scheduler's own budget applies and a lone prompt runs in one step
-        instead of TPOT-sized chunks. Before the fit the bound stays (see
-        prefill_token_budget)."""
-        cap = self.running_cap()
-        if not decoding and self.step_model.fit() is not None:
-            return StepLimits(cap, None)
+        Once step times are fitted the budget binds only steps that decode
+        someone: a step with no decode delays no one's next token, and a lone
+        prompt then runs in the scheduler's own chunks instead of TPOT-sized
+        ones. Before the fit it binds every step (see prefill_token_budget)."""
         prefill = self.prefill_token_budget(num_running)
-        return StepLimits(cap, None if prefill is None else num_running + prefill)
+        return StepLimits(self.running_cap(), None if prefill is None else num_running + prefill,
+                          cap_idle_steps=self.step_model.fit() is None)
 
     def max_wait_s(self, priority: int) -> float:
         """The class's limit: deferred classes (priority > 0) wait longer."""

@@ -3,7 +3,8 @@ by recompute.
 
 Each step builds one forward pass under a token budget
 (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`), both
-lowered at run time by `set_step_limits`:
+lowered at run time by `set_step_limits` (the lowered token budget can be
+limited to steps that decode someone, decided as the step is built):
 1. running requests that decode get their one token first, most urgent first;
 2. running requests part-way through their prompt continue their chunk;
 3. waiting requests start in policy order (scheduler/policy.py), their
@@ -98,10 +99,6 @@ class SchedulerStats(NamedTuple):
     kv_usage: float  # 0..1
     prefix_cache_queries: int  # tokens
     prefix_cache_hits: int  # tokens
-    # Some running request decodes in the next step (the rest, if any, are
-    # part-way through their prompt): whether a step's size delays anyone's
-    # next token.
-    decoding: bool
 
 
 # Sort key of running requests: most urgent first; the last is the
@@ -123,6 +120,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self.max_running = scheduler_config.max_num_seqs
         self.max_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.cap_idle_steps = True
         self.num_preemptions = 0
 
     # -- requests in and out ---------------------------------------------------
@@ -149,15 +147,25 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    def set_step_limits(self, max_running: int, max_batched_tokens: int | None) -> None:
+    def set_step_limits(self, max_running: int, max_batched_tokens: int | None,
+                        cap_idle_steps: bool = True) -> None:
         """Cap the running batch below max_num_seqs and the tokens of one step
         below max_num_batched_tokens (None: the config's); admission uses this
         to keep step time inside the TPOT target. Running requests above a
         lowered cap are not evicted; no new ones start until below it. The
-        token cap covers the whole step, decodes first."""
+        token cap covers the whole step, decodes first.
+
+        cap_idle_steps False: the token cap binds only a step that decodes
+        some request; a step with none (nothing runs, or every running
+        request is part-way through its prompt) delays no one's next token
+        and takes the config's budget, so a lone prompt is not chunked.
+        Decided here, as the step is built: limits set from the previous
+        step's report arrive a step late, and an idle budget still in force
+        when the first decode appears would stretch that decode's step."""
         self.max_running = max(1, min(max_running, self.config.max_num_seqs))
         limit = self.config.max_num_batched_tokens
         self.max_batched_tokens = limit if max_batched_tokens is None else max(1, min(max_batched_tokens, limit))
+        self.cap_idle_steps = cap_idle_steps
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish a request from outside (abort, stop string): its KV is freed at
@@ -178,16 +186,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache
         return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions,
-                              kv.usage(), kv.prefix_cache_queries, kv.prefix_cache_hits, self.has_decodes())
-
-    def has_decodes(self) -> bool:
-        """Whether some running request has only its last sampled token left
-        to run, so the next step decodes it. (Usually the first one looked at:
-        requests part-way through their prompt are few.)"""
-        for request in self.running.values():
-            if len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens == 1:
-                return True
-        return False
+                              kv.usage(), kv.prefix_cache_queries, kv.prefix_cache_hits)
 
     # -- the step ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -202,7 +201,6 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, now: float) -> int:
         # Runs over every running request at every step (the server's hot
         # path): len()s instead of the num_tokens property, locals.
-        budget = self.max_batched_tokens
         running, kv, chunks = self.running, self.kv_cache, out.chunks
         by_urgency = sorted(running.values(), key=_urgency)
         decodes: list[tuple[Request, int]] = []
@@ -210,6 +208,7 @@ class Scheduler:
         for request in by_urgency:
             remaining = len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens
             (decodes if remaining == 1 else prefills).append((request, remaining))
+        budget = self.max_batched_tokens if decodes or self.cap_idle_steps else self.config.max_num_batched_tokens
         unscheduled = list(by_urgency)  # victims come from its tail
         done: set[str] = set()
         for request, remaining in itertools.chain(decodes, prefills):

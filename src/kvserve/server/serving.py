@@ -143,7 +143,7 @@ class Serving:
             return
         for step in steps:
             self.admission.observe_step(*step)
-        self._push_step_limits(0, decoding=False)
+        self._push_step_limits(0)
         log.info("warm-up: %d steps in %.2f s; running cap %d", len(steps), time.perf_counter() - start,
                  self._step_limits.max_running)
 
@@ -190,17 +190,17 @@ class Serving:
             self._on_finished(done)
         self.admission.observe_step(report.num_decode_seqs, report.num_prefill_tokens, report.step_s)
         self.metrics.record_step(report.num_decode_seqs, report.num_prefill_tokens, report.step_s)
-        num_running, decoding = 0, False
+        num_running = 0
         if report.stats is not None:
             s = report.stats
-            num_running, decoding = s.num_running, s.decoding
+            num_running = s.num_running
             self.metrics.record_stats(s.num_running, s.num_waiting, s.kv_usage, s.num_preemptions,
                                       s.prefix_cache_queries, s.prefix_cache_hits)
-        self._push_step_limits(num_running, decoding)
+        self._push_step_limits(num_running)
 
-    def _push_step_limits(self, num_running: int, decoding: bool) -> None:
+    def _push_step_limits(self, num_running: int) -> None:
         """The same limits the simulator sets before each step."""
-        limits = self.admission.step_limits(num_running, decoding)
+        limits = self.admission.step_limits(num_running)
         if limits != self._step_limits:
             self._step_limits = limits
             self.engine.set_step_limits(*limits)

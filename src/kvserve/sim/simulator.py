@@ -474,8 +474,7 @@ class Simulator:
         now = replica.clock.now_s
         if replica.admission is not None:
             self._expire(replica)
-            scheduler = replica.scheduler
-            limits = replica.admission.step_limits(len(scheduler.running), scheduler.has_decodes())
+            limits = replica.admission.step_limits(len(replica.scheduler.running))
             replica.scheduler.set_step_limits(*limits)
         if self.config.fast_forward and self._start_run(replica):
             return
@@ -487,7 +486,7 @@ class Simulator:
             return
         if replica.trace is not None:
             sched = replica.scheduler
-            replica.trace.append(("schedule", now, (sched.max_running, sched.max_batched_tokens),
+            replica.trace.append(("schedule", now, (sched.max_running, sched.max_batched_tokens, sched.cap_idle_steps),
                                   [(c.request.request_id, c.start, c.num_new_tokens, c.samples)
                                    for c in out.chunks], list(out.preempted_ids)))
         self._report_started(replica, out.chunks)
@@ -578,7 +577,7 @@ class Simulator:
         run.schedule_step(step)
         if replica.trace is not None:
             sched = replica.scheduler
-            replica.trace.append(("schedule", replica.clock.now_s, (sched.max_running, sched.max_batched_tokens),
+            replica.trace.append(("schedule", replica.clock.now_s, (sched.max_running, sched.max_batched_tokens, sched.cap_idle_steps),
                                   [(r.request_id, start, 1, True) for r, start in run.batch_at(step)],
                                   []))
 

@@ -486,7 +486,8 @@ class Simulator:
             return
         if replica.trace is not None:
             sched = replica.scheduler
-            replica.trace.append(("schedule", now, (sched.max_running, sched.max_batched_tokens, sched.cap_idle_steps),
+            limits = (sched.max_running, sched.max_batched_tokens, sched.cap_idle_steps)
+            replica.trace.append(("schedule", now, limits,
                                   [(c.request.request_id, c.start, c.num_new_tokens, c.samples)
                                    for c in out.chunks], list(out.preempted_ids)))
         self._report_started(replica, out.chunks)
@@ -577,7 +578,8 @@ class Simulator:
         run.schedule_step(step)
         if replica.trace is not None:
             sched = replica.scheduler
-            replica.trace.append(("schedule", replica.clock.now_s, (sched.max_running, sched.max_batched_tokens, sched.cap_idle_steps),
+            limits = (sched.max_running, sched.max_batched_tokens, sched.cap_idle_steps)
+            replica.trace.append(("schedule", replica.clock.now_s, limits,
                                   [(r.request_id, start, 1, True) for r, start in run.batch_at(step)],
                                   []))
 

@@ -24,17 +24,17 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+from kvserve.bench.cli import free_port, wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 300.0
@@ -42,12 +42,6 @@ CAP_SAMPLE_PERIOD_S = 0.5
 _CAP = re.compile(r"^kvserve_running_cap\{[^}]*\} ([0-9.eE+-]+)$", re.MULTILINE)
 _PREFILL_STEPS = re.compile(r'^kvserve_engine_step_seconds_count\{[^}]*kind="prefill"[^}]*\} ([0-9.eE+-]+)$',
                             re.MULTILINE)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -69,18 +63,10 @@ def server(src: Path, port: int, log_path: Path):
         proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1",
                                  "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            while True:
-                if proc.poll() is not None:
-                    raise SystemExit(f"server from {src} exited with {proc.returncode}; see {log_path}")
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"server from {src} not ready in {READY_TIMEOUT_S:.0f} s")
-                time.sleep(1)
+            try:
+                wait_ready(f"http://127.0.0.1:{port}", proc, READY_TIMEOUT_S)
+            except RuntimeError as exc:
+                raise SystemExit(f"server from {src}: {exc}; see {log_path}") from exc
             yield f"http://127.0.0.1:{port}"
         finally:
             proc.terminate()

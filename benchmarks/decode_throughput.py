@@ -7,14 +7,19 @@ Reports:
   the mean over those steps and the rate at the median step (the machine is
   shared: a neighbour's burst inflates the mean, rarely the median);
 - the decode roofline: weight bytes / measured memory bandwidth (a numpy copy
-  of a large array) is the least time one batch-1 token can take; beside it
-  the read bandwidth the engine's own torch threads reach (a sum over a large
-  tensor), since one core cannot draw the socket's copy bandwidth;
+  of a large array; on a GPU, a device-to-device copy) is the least time one
+  batch-1 token can take; beside it the read bandwidth the engine's own torch
+  threads reach (a sum over a large tensor), since one core cannot draw the
+  socket's copy bandwidth;
 - a batch of 8 prompts of mixed lengths end to end (prefill + decode), where
   transformers pads and kvserve batches continuously.
 
     python benchmarks/decode_throughput.py            # 128-token prompts, 128 new tokens
     python benchmarks/decode_throughput.py --quick    # 32-token prompts, 16 new tokens
+    python benchmarks/decode_throughput.py --model DIR --device cuda   # e.g. a shape_twin.py folder
+
+Both engines run on --device (transformers' model and inputs are moved there);
+on CUDA kvserve replays decode steps as CUDA graphs unless --enforce-eager.
 
 Writes benchmarks/results/decode_throughput.json.
 """
@@ -33,15 +38,24 @@ import torch
 
 from kvserve.contract import SamplingParams
 from kvserve.engine.core import EngineConfig, EngineCore
-from kvserve.model.loader import default_model_path, load_model
 from kvserve.model.device import resolve_dtype
+from kvserve.model.loader import default_model_path, load_model
 
 RESULTS = Path(__file__).parent / "results" / "decode_throughput.json"
 MIXED_PROMPT_LENGTHS = (16, 32, 48, 64, 80, 96, 112, 128)
 
 
-def measure_bandwidth_bytes_per_s(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_bandwidth_bytes_per_s(device: torch.device, num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
     """Best-of-N copy bandwidth: a copy reads and writes every byte once."""
+    if device.type != "cpu":
+        src_t = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+        dst_t = torch.empty_like(src_t)
+        return 2 * num_bytes / _best_time_s(lambda: dst_t.copy_(src_t), device, repeats)
     src = np.ones(num_bytes // 4, dtype=np.float32)
     dst = np.empty_like(src)
     best_s = float("inf")
@@ -52,16 +66,24 @@ def measure_bandwidth_bytes_per_s(num_bytes: int = 512 * 2**20, repeats: int = 5
     return 2 * num_bytes / best_s
 
 
-def measure_read_bandwidth_bytes_per_s(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
+def measure_read_bandwidth_bytes_per_s(device: torch.device, num_bytes: int = 512 * 2**20,
+                                       repeats: int = 5) -> float:
     """Best-of-N read bandwidth with torch's current thread count: what a
     weight-streaming matmul can draw at most."""
-    data = torch.ones(num_bytes // 4, dtype=torch.float32)
+    data = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    return num_bytes / _best_time_s(data.sum, device, repeats)
+
+
+def _best_time_s(work, device: torch.device, repeats: int) -> float:
+    work()  # first touch / lazy initialisation
     best_s = float("inf")
     for _ in range(repeats):
+        synchronize(device)
         start = time.perf_counter()
-        data.sum()
+        work()
+        synchronize(device)
         best_s = min(best_s, time.perf_counter() - start)
-    return num_bytes / best_s
+    return best_s
 
 
 def random_prompts(batch: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -104,10 +126,13 @@ def kvserve_mixed(engine: EngineCore, prompts: list[list[int]], new_tokens: int)
 
 
 def hf_generate_s(hf, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int) -> float:
+    input_ids, attention_mask = input_ids.to(hf.device), attention_mask.to(hf.device)
+    synchronize(hf.device)
     start = time.perf_counter()
     with torch.inference_mode():
         hf.generate(input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
                     min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    synchronize(hf.device)
     return time.perf_counter() - start
 
 
@@ -132,29 +157,35 @@ def hf_mixed(hf, prompts: list[list[int]], new_tokens: int) -> float:
 def build_engine(args: argparse.Namespace, loaded) -> EngineCore:
     config = EngineConfig.from_sizes(args.kv_cache_memory, dtype=args.dtype, device=args.device,
                                      max_num_seqs=max(args.batches), max_num_batched_tokens=512,
-                                     enable_prefix_caching=False)
+                                     enable_prefix_caching=False, enforce_eager=args.enforce_eager)
     return EngineCore(loaded.config, loaded.weights, loaded.tokenizer, config, versions=loaded.versions)
 
 
-def load_hf(dtype: torch.dtype):
+def load_hf(path: Path, dtype: torch.dtype, device: torch.device):
+    """The same weights in transformers: a GGUF file or a Hugging Face folder."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    if path.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    return model.to(device).eval()
 
 
 def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype)
-    loaded = load_model(None)
+    model_path = Path(args.model) if args.model else default_model_path()
+    loaded = load_model(model_path)
     engine = build_engine(args, loaded)
+    device = engine.runner.device
     weight_bytes = engine.runner.model.weight_bytes()
-    bandwidth = measure_bandwidth_bytes_per_s()
-    read_bandwidth = measure_read_bandwidth_bytes_per_s()
+    bandwidth = measure_bandwidth_bytes_per_s(device)
+    read_bandwidth = measure_read_bandwidth_bytes_per_s(device)
     roofline_tok_s = bandwidth / weight_bytes
-    hf = None if args.skip_hf else load_hf(dtype)
+    hf = None if args.skip_hf else load_hf(model_path, dtype, device)
     vocab = loaded.config.vocab_size
     kvserve_decode(engine, random_prompts(1, 16, vocab, seed=99), 4)  # warm up
     rows = []
@@ -174,7 +205,9 @@ def run(args: argparse.Namespace) -> dict:
              "kvserve_tok_s": kvserve_mixed(engine, mixed_prompts, args.mixed_new_tokens),
              "hf_tok_s": hf_mixed(hf, mixed_prompts, args.mixed_new_tokens) if hf is not None else None}
     return {
-        "model": str(default_model_path().name), "dtype": args.dtype, "device": str(engine.runner.device),
+        "model": model_path.name, "dtype": args.dtype, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+        "cuda_graphs": engine.runner.decode_graphs is not None,
         "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "platform": platform.platform(), "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "weight_bytes": weight_bytes, "bandwidth_bytes_per_s": bandwidth,
@@ -185,7 +218,9 @@ def run(args: argparse.Namespace) -> dict:
 
 def print_table(result: dict) -> None:
     roofline = result["roofline_batch1_tok_s"]
-    print(f"\nweights {result['weight_bytes'] / 2**20:.0f} MiB ({result['dtype']}), copy bandwidth "
+    print(f"\n{result['model']} on {result['device']} ({result['device_name']}), "
+          f"CUDA graphs {'on' if result['cuda_graphs'] else 'off'}")
+    print(f"weights {result['weight_bytes'] / 2**20:.0f} MiB ({result['dtype']}), copy bandwidth "
           f"{result['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s -> batch-1 roofline {roofline:.1f} tok/s "
           f"({1000 / roofline:.1f} ms/token); torch threads {result['torch_threads']}, their read "
           f"bandwidth {result['torch_read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
@@ -224,6 +259,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="weight dtype")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--model", default=None,
+                        help="a *.gguf file or Hugging Face folder (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--enforce-eager", action="store_true", help="kvserve without CUDA graphs")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size (bytes, with unit)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
     parser.add_argument("--skip-hf", action="store_true", help="measure kvserve only")

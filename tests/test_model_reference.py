@@ -49,7 +49,7 @@ def test_first_step_logits_match_hf(hf_model):
         logits = runner.model.compute_logits(hidden)  # every position, not only the sampled one
         expected = hf_model(torch.tensor([prompt])).logits[0]
     assert logits.shape == expected.shape
-    torch.testing.assert_close(logits, expected, atol=1e-3, rtol=0)
+    torch.testing.assert_close(logits.cpu(), expected, atol=1e-3, rtol=0)
 
 
 def test_one_prompt_greedy_matches_hf(hf_model):

@@ -7,6 +7,8 @@ greedy argmax comparisons do not flip on float rounding near-ties.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -85,12 +87,17 @@ def word_tokenizer(vocab_size: int = TINY_DIMS["vocab_size"]):
     return Tokenizer(backend, bos_token_id=None, eos_token_ids=[], chat_template=None)
 
 
+# Reference tests run on the CPU; KVSERVE_TEST_DEVICE=cuda runs them on a GPU
+# (the Hugging Face reference stays on the CPU).
+TEST_DEVICE = os.environ.get("KVSERVE_TEST_DEVICE", "cpu")
+
+
 def tiny_engine(hf_model, clock=None, **config_fields):
     """An EngineCore over the HF model's weights. Default: 256 blocks of 4 tokens."""
     from kvserve.engine.core import EngineConfig, EngineCore
 
     model_config = model_config_of(hf_model)
-    fields = dict(block_size=4, device="cpu")
+    fields = dict(block_size=4, device=TEST_DEVICE)
     fields.update(config_fields)
     num_blocks = fields.pop("num_blocks", 256)
     bytes_per_block = fields["block_size"] * model_config.kv_bytes_per_token(4)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvserve.decode_graphs import DecodeGraphs
 from kvserve.model.config import ModelConfig
 from kvserve.model.device import resolve_device, resolve_dtype
 from kvserve.model.llama import AttentionMetadata, LlamaModel
@@ -45,7 +46,7 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, weights: dict[str, Tensor], *, kv_cache_memory_bytes: int,
                  block_size: int = 16, dtype: str | torch.dtype = "float32",
                  device: torch.device | str | None = None, max_model_len: int | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, max_num_seqs: int = 64, enforce_eager: bool = False) -> None:
         self.config = config
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
@@ -57,13 +58,21 @@ class ModelRunner:
             raise ValueError(
                 f"kv_cache_memory of {kv_cache_memory_bytes} bytes holds no block: one block of "
                 f"{block_size} tokens needs {kv_bytes_per_block(config, block_size, self.dtype)} bytes")
-        # [layers, slots, 2 (K, V), kv_heads, head_dim]. Left uninitialised: a slot is
-        # only ever read after it was written (padding reads point at written slots).
+        # [layers, slots, 2 (K, V), kv_heads, head_dim]: the pool's blocks, then one
+        # scratch slot outside them that graph padding writes to and reads from.
+        # Block slots are left uninitialised: the eager path reads a slot only after
+        # writing it; the scratch slot starts zeroed, so a masked read of it is finite.
+        self.scratch_slot = self.num_blocks * block_size
         self.kv_cache = torch.empty(
-            (config.num_hidden_layers, self.num_blocks * block_size, 2,
+            (config.num_hidden_layers, self.scratch_slot + 1, 2,
              config.num_key_value_heads, config.head_dim), dtype=self.dtype, device=self.device)
+        self.kv_cache[:, self.scratch_slot].zero_()
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed=seed, device=self.device)
+        # Decode steps replay CUDA graphs on a GPU; a CPU gains nothing from them.
+        self.decode_graphs = None if enforce_eager or self.device.type != "cuda" else DecodeGraphs(
+            self.model, self.kv_caches, block_size=block_size, scratch_slot=self.scratch_slot,
+            max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: "SchedulerOutput") -> SamplerOutput:
@@ -72,6 +81,8 @@ class ModelRunner:
         chunks = scheduler_output.chunks
         if not chunks:
             return SamplerOutput({}, {})
+        if self.decode_graphs is not None and self.decode_graphs.accepts(chunks):
+            return self.sampler.sample(self.decode_graphs.run(chunks), [c.request for c in chunks])
         batch = build_step_batch(chunks, self.block_size, self.device)
         hidden = self.model.forward(batch.token_ids, self.kv_caches, batch.meta)
         if not batch.sample_requests:

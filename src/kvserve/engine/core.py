@@ -42,6 +42,7 @@ class EngineConfig:
     device: str | None = None  # None: CUDA when available, else CPU
     max_model_len: int | None = None
     seed: int = 0  # seeds the sampler's generator for unseeded requests
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (they are used only on CUDA)
 
     @classmethod
     def from_sizes(cls, kv_cache_memory: str | int = "2GiB", **fields) -> "EngineConfig":
@@ -76,7 +77,8 @@ class EngineCore:
                                  config.max_model_len or model_config.max_position_embeddings)
         self.runner = ModelRunner(model_config, weights, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
                                   block_size=config.block_size, dtype=config.dtype, device=config.device,
-                                  max_model_len=self.max_model_len, seed=config.seed)
+                                  max_model_len=self.max_model_len, seed=config.seed,
+                                  max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len),

@@ -22,13 +22,14 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "float32",
                  kv_cache_memory: str | int = "2GiB", block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
-                 device: str | None = None, max_model_len: int | None = None, seed: int = 0) -> None:
+                 device: str | None = None, max_model_len: int | None = None, seed: int = 0,
+                 enforce_eager: bool = False) -> None:
         """Load `model` (None: the embedded SmolLM2-135M-Instruct; a *.gguf file or a
         Hugging Face folder) and size the KV cache to `kv_cache_memory` ("2GiB" or bytes)."""
         config = EngineConfig.from_sizes(
             kv_cache_memory, dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            device=device, max_model_len=max_model_len, seed=seed)
+            device=device, max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager)
         loaded = load_model(model)
         self.engine = EngineCore(loaded.config, loaded.weights, loaded.tokenizer, config,
                                  versions=loaded.versions)

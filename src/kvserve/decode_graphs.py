@@ -166,7 +166,7 @@ class DecodeGraphs:
         mask = (self._arange[:context][None, :] < lens[:, None]).view(batch, 1, 1, context)
         meta = AttentionMetadata(positions=positions, slot_mapping=slots, query_index=self._arange[:batch],
                                  context_slots=context_slots, attn_mask=mask, num_seqs=batch,
-                                 max_query_len=1)
+                                 max_query_len=1, context_lens=lens)
         hidden = self.model.forward(tokens, self.kv_caches, meta)
         return self.model.compute_logits(hidden)
 

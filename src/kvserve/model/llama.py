@@ -13,7 +13,10 @@ into one matmul each so a decode step is a few kernels per layer.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +38,8 @@ class AttentionMetadata:
                    (positions past a sequence's length point at any valid slot; masked)
     attn_mask:     [B, 1, max_query_len, max_context_len] bool (True = attend), or None
                    when every sequence sees its whole context (one-token steps of equal length)
+    context_lens:  [B] int64, each sequence's context length including this step's
+                   tokens (read by the CUDA decode kernel; None where not built)
     """
 
     positions: Tensor
@@ -44,6 +49,7 @@ class AttentionMetadata:
     attn_mask: Tensor | None
     num_seqs: int
     max_query_len: int
+    context_lens: Tensor | None = None
 
     @property
     def is_decode_only(self) -> bool:
@@ -163,6 +169,10 @@ def paged_attention(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale:
     are folded into the query-length axis, so SDPA sees Hkv heads throughout."""
     num_tokens, h, d = q.shape
     b, qmax = meta.num_seqs, meta.max_query_len
+    if meta.is_decode_only and q.is_cuda and meta.context_lens is not None:
+        kernel = cuda_decode_kernel()
+        if kernel is not None:
+            return kernel(q, kv_cache, meta.context_slots, meta.context_lens, scale)
     hkv = kv_cache.shape[2]
     group = h // hkv
     # context: [B, Lmax, 2, Hkv, D] gathered through the block tables
@@ -184,6 +194,19 @@ def paged_attention(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale:
     out = F.scaled_dot_product_attention(q_grid, k, v, attn_mask=mask, scale=scale)
     out = out.view(b, hkv, group, qmax, d).permute(0, 3, 1, 2, 4).reshape(b * qmax, h, d)
     return out.index_select(0, meta.query_index)
+
+
+@functools.cache
+def cuda_decode_kernel() -> Callable[..., Tensor] | None:
+    """The Triton paged decode attention (model/triton_attention.py), or None
+    without Triton or with KVSERVE_TORCH_ATTENTION=1 (the torch path, for A/B runs)."""
+    if os.environ.get("KVSERVE_TORCH_ATTENTION") == "1":
+        return None
+    try:
+        from kvserve.model.triton_attention import decode_attention
+    except ImportError:
+        return None
+    return decode_attention
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -5,12 +5,14 @@ eagerly (use_cuda_graphs=False); the CUDA test captures real graphs."""
 import pytest
 import torch
 
+from kvserve import decode_graphs
 from kvserve.contract import Request, SamplingParams
 from kvserve.decode_graphs import DecodeGraphs, bucket_for, context_buckets
+from kvserve.engine.async_engine import AsyncEngine
 from kvserve.runner import build_step_batch
 from kvserve.scheduler.scheduler import ScheduledChunk
 from tests.test_model_reference import GREEDY, TINY_MODELS, assert_matches_hf
-from tests.tiny_models import random_prompts, run_to_completion, tiny_engine
+from tests.tiny_models import hf_greedy, random_prompts, run_to_completion, tiny_engine
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -24,6 +26,24 @@ def static_graphs(engine, max_num_seqs: int = 64) -> DecodeGraphs:
     return DecodeGraphs(runner.model, runner.kv_caches, block_size=runner.block_size,
                         scratch_slot=runner.scratch_slot, max_num_seqs=max_num_seqs,
                         max_model_len=runner.max_model_len, use_cuda_graphs=False)
+
+
+def run_staggered(engine, prompts, max_tokens):
+    """Greedy requests ending at different steps, so the batch shrinks through
+    several sizes; request_id -> token ids."""
+    requests = [engine.new_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+                for p, n in zip(prompts, max_tokens)]
+    for request in requests:
+        engine.add_request(request)
+    final = {}
+    while engine.has_unfinished():
+        final.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return [final[r.request_id] for r in requests]
+
+
+def assert_staggered_match_hf(hf, prompts, max_tokens, outputs):
+    for prompt, n, tokens in zip(prompts, max_tokens, outputs):
+        assert tokens == hf_greedy(hf, prompt, n), f"prompt of {len(prompt)} tokens, {n} new"
 
 
 def test_buckets():
@@ -99,10 +119,50 @@ def test_steps_the_graphs_cannot_take_run_eagerly(hf_model):
     assert not graphs.accepts([decode] * 5)
     assert not graphs.accepts([decode, ScheduledChunk(request, 0, 3, [0], samples=True)])
     assert not graphs.accepts([ScheduledChunk(request, 0, 1, [0], samples=False)])
+    # Six requests ending two steps apart: 6 and 5 decode eagerly, 4..1 through graphs.
     prompts = random_prompts([6] * 6, seed=23)
+    max_tokens = [2, 4, 6, 8, 10, 12]
+    outputs = run_staggered(engine, prompts, max_tokens)
+    assert_staggered_match_hf(hf_model, prompts, max_tokens, outputs)
+    assert {batch for batch, _ in graphs._graphs} == {1, 2, 4}
+
+
+def test_contexts_past_the_graph_limit_decode_eagerly(hf_model, monkeypatch):
+    monkeypatch.setattr(decode_graphs, "MAX_GRAPH_CONTEXT", 64)
+    engine = tiny_engine(hf_model)
+    graphs = engine.runner.decode_graphs = static_graphs(engine)
+    assert graphs.context_buckets == (64,)
+    # Contexts 59..70 and 10..21: the long one leaves the graphs at position 64.
+    prompts = random_prompts([58, 9], seed=25)
     outputs = run_to_completion(engine, prompts, GREEDY)
     assert_matches_hf(hf_model, prompts, list(outputs.values()))
-    assert {batch for batch, _ in graphs._graphs} <= {1, 2, 4}
+    assert set(graphs._graphs) == {(2, 64)}
+    request = Request("a", [1] * 70, GREEDY, 0.0)
+    assert not graphs.accepts([ScheduledChunk(request, 64, 1, list(range(17)), samples=True)])
+
+
+def test_steps_that_capture_a_graph_are_flagged_and_left_out_of_the_warm_up_fit(hf_model):
+    engine = tiny_engine(hf_model)
+    graphs = engine.runner.decode_graphs = static_graphs(engine)
+    captured = []
+    for prompt, max_tokens in zip(random_prompts([5, 9, 58], seed=26), [3, 6, 12]):
+        engine.add_request(engine.new_request(
+            prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
+    while engine.has_unfinished():
+        engine.step()
+        captured.append(engine.last_step_captured)
+    # (4, 64) at 3 sequences, (2, 64), (1, 64), then (1, 128) past position 63:
+    # exactly the steps that captured are flagged.
+    assert set(graphs._graphs) == {(4, 64), (2, 64), (1, 64), (1, 128)}
+    assert sum(captured) == 4 and len(captured) > 4
+    # The warm-up times the same steps with and without graphs; with them, the
+    # steps that captured are not measured.
+    plain = AsyncEngine(tiny_engine(hf_model)).warm_up()
+    engine = tiny_engine(hf_model)
+    graphs = engine.runner.decode_graphs = static_graphs(engine)
+    graphed = AsyncEngine(engine).warm_up()
+    assert graphs.num_captured > 0
+    assert len(graphed) == len(plain) - graphs.num_captured
 
 
 def test_sampled_and_seeded_requests_through_the_padded_path(hf_model):
@@ -118,13 +178,46 @@ def test_sampled_and_seeded_requests_through_the_padded_path(hf_model):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graphs_give_the_tokens_of_the_eager_engine_and_of_hf(hf_model):
-    prompts = random_prompts([1, 5, 17, 64, 9, 33, 2, 48], seed=12)
+    # Staggered ends: the batch shrinks 8 -> 1 through padded buckets (5 -> 8,
+    # 3 -> 4), and the long prompt crosses from the 64- to the 128-token bucket.
+    prompts = random_prompts([1, 5, 17, 60, 9, 33, 2, 48], seed=12)
+    max_tokens = [2, 3, 5, 12, 7, 4, 9, 6]
     engine = tiny_engine(hf_model, device="cuda")
     assert engine.runner.decode_graphs is not None and engine.runner.decode_graphs.use_cuda_graphs
-    graphed = run_to_completion(engine, prompts, GREEDY)
-    assert engine.runner.decode_graphs.num_captured >= 1
+    graphed = run_staggered(engine, prompts, max_tokens)
+    assert {(8, 64), (4, 128), (1, 128)} <= set(engine.runner.decode_graphs._graphs)
     eager_engine = tiny_engine(hf_model, device="cuda", enforce_eager=True)
     assert eager_engine.runner.decode_graphs is None
-    eager = run_to_completion(eager_engine, prompts, GREEDY)
-    assert [o.token_ids for o in graphed.values()] == [o.token_ids for o in eager.values()]
-    assert_matches_hf(hf_model, prompts, list(graphed.values()))
+    assert run_staggered(eager_engine, prompts, max_tokens) == graphed
+    assert_staggered_match_hf(hf_model, prompts, max_tokens, graphed)
+
+
+def test_a_failing_or_unfit_attention_kernel_falls_back_to_the_torch_path(monkeypatch, caplog):
+    """llama._cuda_decode_attention: None (the torch path) for shapes the kernel
+    refuses, and for good after its first failure, with one log line."""
+    from types import SimpleNamespace
+
+    from kvserve.model import llama
+
+    calls = []
+
+    def failing(*args):
+        calls.append(args)
+        raise RuntimeError("Triton could not build its launcher")
+
+    kernel = SimpleNamespace(supports=lambda q, kv, slots: q.shape[-1] == 64, decode_attention=failing)
+    monkeypatch.setattr(llama, "_triton_kernel", lambda: kernel)
+    monkeypatch.setattr(llama, "_triton_failed", False)
+    meta = SimpleNamespace(context_slots=torch.zeros(1, 4, dtype=torch.int64),
+                           context_lens=torch.ones(1, dtype=torch.int64))
+    kv_cache = torch.zeros(8, 2, 1, 64)
+    assert llama._cuda_decode_attention(torch.zeros(1, 2, 32), kv_cache, meta, 0.1) is None
+    assert calls == []  # refused by supports(), never launched
+    assert llama._cuda_decode_attention(torch.zeros(1, 2, 64), kv_cache, meta, 0.1) is None
+    assert llama._cuda_decode_attention(torch.zeros(1, 2, 64), kv_cache, meta, 0.1) is None
+    assert len(calls) == 1  # disabled after the first failure
+    assert sum("Triton decode attention failed" in r.message for r in caplog.records) == 1
+    monkeypatch.setenv("KVSERVE_TORCH_ATTENTION", "1")
+    monkeypatch.setattr(llama, "_triton_failed", False)
+    assert llama._cuda_decode_attention(torch.zeros(1, 2, 64), kv_cache, meta, 0.1) is None
+    assert len(calls) == 1

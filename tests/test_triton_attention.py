@@ -20,7 +20,7 @@ if DEVICE == "cpu":
                     allow_module_level=True)
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel module is first imported
 
-from kvserve.model.triton_attention import decode_attention  # noqa: E402
+from kvserve.model.triton_attention import decode_attention, supports  # noqa: E402
 
 
 def reference(q, kv_cache, slots, lens, scale):
@@ -42,18 +42,20 @@ def test_decode_attention_matches_the_reference(num_heads, num_kv_heads):
     generator = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
     head_dim, num_slots = 64, 1024
     lens = torch.tensor([1, 17, 64, 65, 200])
-    # Context slots scattered over the cache, padded past each length with
+    # Context slots scattered over slots 1.., padded past each length with
     # slot 0 (never read: the kernel stops at the length).
     slots = torch.zeros(len(lens), 256, dtype=torch.int64)
     for b, n in enumerate(lens.tolist()):
-        slots[b, :n] = torch.randperm(num_slots, generator=generator)[:n]
+        slots[b, :n] = 1 + torch.randperm(num_slots - 1, generator=generator)[:n]
     kv_cache = torch.randn(num_slots, 2, num_kv_heads, head_dim, generator=generator)
     kv_cache[0] = float("nan")  # a read past a length would poison the output
-    # q as the model passes it: a strided view of a wider projection.
+    # q as the model passes it: a strided view of a wider projection (on the device).
     qk = torch.randn(len(lens), num_heads + num_kv_heads, head_dim, generator=generator)
     q = qk[:, :num_heads]
     to = dict(device=DEVICE)
-    out = decode_attention(q.to(**to), kv_cache.to(**to), slots.to(**to), lens.to(**to), 0.125)
+    q_device = qk.to(**to)[:, :num_heads]
+    assert not q_device.is_contiguous()
+    out = decode_attention(q_device, kv_cache.to(**to), slots.to(**to), lens.to(**to), 0.125)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out.cpu().double(), reference(q, kv_cache, slots, lens, 0.125),
                                atol=1e-5, rtol=1e-5)
@@ -71,3 +73,13 @@ def test_decode_attention_in_bfloat16_tracks_float32():
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.cpu().double(), reference(q, kv_cache, slots, lens, 0.125),
                                atol=3e-2, rtol=3e-2)
+
+
+def test_shapes_the_kernel_does_not_take_are_refused_not_miscomputed():
+    kv_cache = torch.zeros(8, 2, 2, 96)
+    slots = torch.zeros(1, 4, dtype=torch.int64)
+    q = torch.zeros(1, 4, 96)
+    assert not supports(q, kv_cache, slots)  # head_dim 96: not a power of two
+    assert supports(torch.zeros(1, 4, 64), torch.zeros(8, 2, 2, 64), slots)
+    with pytest.raises(ValueError, match="head_dim 96"):
+        decode_attention(q, kv_cache, slots, torch.ones(1, dtype=torch.int64), 0.1)

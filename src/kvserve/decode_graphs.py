@@ -15,7 +15,9 @@ block pool: padding writes land there and masked reads stay finite.
 
 Graphs are captured lazily, the first time a bucket pair is needed, into one
 shared memory pool (replays never overlap, and each step's logits are
-consumed before the next replay). Steps with a prefill chunk run eagerly.
+consumed before the next replay). All graphs write their logits into one
+shared output buffer, so what a graph keeps beyond the pool is its kernels.
+Steps with a prefill chunk run eagerly.
 
 With `use_cuda_graphs=False` the same padded, static-buffer forward runs
 eagerly: that is how the padding logic is tested on machines without a GPU.
@@ -101,6 +103,11 @@ class DecodeGraphs:
         self._staging = torch.zeros(size, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._staging_np = self._staging.numpy()
         self._arange = torch.arange(max(self.max_batch, self.max_context), device=self.device)
+        self._logits = torch.empty((self.max_batch, model.config.vocab_size), dtype=torch.float32,
+                                   device=self.device)
+        # Set once the step's input copy is queued: the staging buffer is not
+        # refilled before the GPU has read it.
+        self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._pool = None  # the memory pool all graphs share, from the first capture
 
@@ -113,8 +120,8 @@ class DecodeGraphs:
                 and all(c.num_new_tokens == 1 and c.samples and c.start < self.max_context for c in chunks))
 
     def run(self, chunks: Sequence["ScheduledChunk"]) -> Tensor:
-        """Logits [len(chunks), vocab] float32 for a decode-only step. The tensor is
-        the graph's static output: read (or copy) it before the next `run`."""
+        """Logits [len(chunks), vocab] float32 for a decode-only step: a view of
+        the shared output buffer, overwritten by the next `run`."""
         num_seqs = len(chunks)
         batch = bucket_for(num_seqs, self.batch_buckets)
         context = bucket_for(max(c.start for c in chunks) + 1, self.context_buckets)
@@ -122,13 +129,20 @@ class DecodeGraphs:
         if graph is None:
             graph = self._graphs[(batch, context)] = self._capture(batch, context)
         size = self._fill(chunks, batch, context)
-        self._inputs[:size].copy_(self._staging[:size], non_blocking=True)
+        self._upload(size)
         return graph.replay()[:num_seqs]
+
+    def _upload(self, size: int) -> None:
+        self._inputs[:size].copy_(self._staging[:size], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
     def _fill(self, chunks: Sequence["ScheduledChunk"], batch: int, context: int) -> int:
         """Write the step's inputs into the host staging buffer; returns their size."""
         n, bs, scratch = len(chunks), self.block_size, self.scratch_slot
         size = batch * (4 + context)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has read the buffer
         host = self._staging_np[:size]
         tokens, positions, slots, lens = (host[i * batch:(i + 1) * batch] for i in range(4))
         context_slots = host[4 * batch:].reshape(batch, context)
@@ -168,7 +182,9 @@ class DecodeGraphs:
                                  context_slots=context_slots, attn_mask=mask, num_seqs=batch,
                                  max_query_len=1, context_lens=lens)
         hidden = self.model.forward(tokens, self.kv_caches, meta)
-        return self.model.compute_logits(hidden)
+        out = self._logits[:batch]
+        out.copy_(self.model.compute_logits(hidden))
+        return out
 
     def _capture(self, batch: int, context: int) -> _DecodeGraph:
         def forward() -> Tensor:
@@ -178,8 +194,10 @@ class DecodeGraphs:
             return _DecodeGraph(forward, None, None)
         # Capture reads whatever the buffers hold: make it all padding (scratch slot only).
         size = batch * (4 + context)
+        if self._copied is not None:
+            self._copied.synchronize()
         self._fill_padding(self._staging_np[:size], batch, context, first_row=0)
-        self._inputs[:size].copy_(self._staging[:size])
+        self._upload(size)
         # One eager run on a side stream first: lazy initialisation (cuBLAS
         # workspaces, kernel selection) must not happen during capture.
         side = torch.cuda.Stream(self.device)

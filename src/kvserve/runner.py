@@ -81,6 +81,19 @@ class ModelRunner:
         chunks = scheduler_output.chunks
         if not chunks:
             return SamplerOutput({}, {})
+        if self.device.type == "cuda":
+            # Kernel launches, graph capture and replay go to the current
+            # device's stream: make that this runner's device (e.g. cuda:1).
+            with torch.cuda.device(self.device):
+                return self._execute(chunks)
+        return self._execute(chunks)
+
+    @property
+    def num_graph_captures(self) -> int:
+        """CUDA graphs captured so far: a step that raised it paid a one-off capture."""
+        return 0 if self.decode_graphs is None else self.decode_graphs.num_captured
+
+    def _execute(self, chunks: Sequence["ScheduledChunk"]) -> SamplerOutput:
         if self.decode_graphs is not None and self.decode_graphs.accepts(chunks):
             return self.sampler.sample(self.decode_graphs.run(chunks), [c.request for c in chunks])
         batch = build_step_batch(chunks, self.block_size, self.device)

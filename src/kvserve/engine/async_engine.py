@@ -74,6 +74,7 @@ class StepReport:
     started_ids: list[str]
     finished: list[Finished]
     stats: object | None  # SchedulerStats after the step
+    captured_graph: bool = False  # step_s includes a one-off CUDA graph capture
 
 
 @dataclass
@@ -158,12 +159,12 @@ class AsyncEngine:
             deadline = time.perf_counter() + time_budget_s / 2
             while len(added) < plan.num_seqs and time.perf_counter() < deadline:
                 self._warm_up_add(plan, added)
-                measured.append(self._timed_step())
+                self._timed_step(measured)
             for i in range(max(plan.num_decode_steps, num_steps - len(measured))):
                 if i == plan.num_decode_steps // 2:  # halve the batch for a second decode size
                     for request_id in added[len(added) // 2 + 1:]:
                         self.core.abort(request_id)
-                measured.append(self._timed_step())
+                self._timed_step(measured)
         finally:
             for request_id in added:
                 self.core.abort(request_id)
@@ -178,12 +179,14 @@ class AsyncEngine:
         self.core.add_request(request)
         added.append(request.request_id)
 
-    def _timed_step(self) -> MeasuredStep:
+    def _timed_step(self, measured: list[MeasuredStep]) -> None:
+        """One step, appended to `measured` unless it paid a one-off graph capture."""
         t0 = time.perf_counter()
         self.core.step()
         step_s = time.perf_counter() - t0
-        last = self.core.last_scheduled
-        return MeasuredStep(last.num_decode_seqs, last.num_prefill_tokens, step_s)
+        if not self.core.last_step_captured:
+            last = self.core.last_scheduled
+            measured.append(MeasuredStep(last.num_decode_seqs, last.num_prefill_tokens, step_s))
 
     def add(self, request: Request) -> RequestStream:
         """Queue `request` for the engine; returns its output stream."""
@@ -273,7 +276,7 @@ class AsyncEngine:
                                          len(output.token_ids), output.timestamps))
         last = self.core.last_scheduled
         report = StepReport(step_s, last.num_decode_seqs, last.num_prefill_tokens,
-                            started, finished, self._stats())
+                            started, finished, self._stats(), self.core.last_step_captured)
         self._post(outputs, report)
 
     def _run_commands(self) -> list[Finished]:

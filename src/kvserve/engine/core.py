@@ -93,6 +93,9 @@ class EngineCore:
         # The latest step's batch: its shape (decode sequences, prefill
         # tokens) feeds the server's step-time model.
         self.last_scheduled = SchedulerOutput()
+        # The latest step captured a CUDA graph: its time holds a one-off cost,
+        # not the step's own, and must not feed the step-time model.
+        self.last_step_captured = False
 
     # -- requests in and out -------------------------------------------------
     def new_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
@@ -138,8 +141,10 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one forward pass; outputs for every request that got a token or finished."""
         scheduled = self.scheduler.schedule()
+        captures = self.runner.num_graph_captures
         sampled = self.runner.execute(scheduled)
         self.last_scheduled = scheduled
+        self.last_step_captured = self.runner.num_graph_captures != captures
         return self._process(scheduled, sampled)
 
     def _process(self, scheduled: SchedulerOutput, sampled: SamplerOutput) -> list[RequestOutput]:

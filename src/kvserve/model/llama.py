@@ -14,10 +14,11 @@ into one matmul each so a decode step is a few kernels per layer.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,8 @@ from torch import Tensor
 
 from kvserve.model.config import ModelConfig
 from kvserve.model.device import resolve_device
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -170,9 +173,9 @@ def paged_attention(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale:
     num_tokens, h, d = q.shape
     b, qmax = meta.num_seqs, meta.max_query_len
     if meta.is_decode_only and q.is_cuda and meta.context_lens is not None:
-        kernel = cuda_decode_kernel()
-        if kernel is not None:
-            return kernel(q, kv_cache, meta.context_slots, meta.context_lens, scale)
+        out = _cuda_decode_attention(q, kv_cache, meta, scale)
+        if out is not None:
+            return out
     hkv = kv_cache.shape[2]
     group = h // hkv
     # context: [B, Lmax, 2, Hkv, D] gathered through the block tables
@@ -196,17 +199,33 @@ def paged_attention(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale:
     return out.index_select(0, meta.query_index)
 
 
-@functools.cache
-def cuda_decode_kernel() -> Callable[..., Tensor] | None:
-    """The Triton paged decode attention (model/triton_attention.py), or None
-    without Triton or with KVSERVE_TORCH_ATTENTION=1 (the torch path, for A/B runs)."""
-    if os.environ.get("KVSERVE_TORCH_ATTENTION") == "1":
+def _cuda_decode_attention(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
+                           scale: float) -> Tensor | None:
+    """The Triton kernel's output, or None for the torch path: without Triton,
+    with KVSERVE_TORCH_ATTENTION=1 (A/B runs), for shapes it does not take, or
+    for good once it has failed (e.g. Triton cannot build its launcher here)."""
+    global _triton_failed
+    kernel = None if _triton_failed or os.environ.get("KVSERVE_TORCH_ATTENTION") == "1" else _triton_kernel()
+    if kernel is None or not kernel.supports(q, kv_cache, meta.context_slots):
         return None
     try:
-        from kvserve.model.triton_attention import decode_attention
+        return kernel.decode_attention(q, kv_cache, meta.context_slots, meta.context_lens, scale)
+    except Exception:
+        _triton_failed = True
+        log.exception("Triton decode attention failed; using the torch attention path from now on")
+        return None
+
+
+_triton_failed = False  # set by the first failure, so one broken install costs one log line
+
+
+@functools.cache
+def _triton_kernel() -> ModuleType | None:
+    try:
+        from kvserve.model import triton_attention
     except ImportError:
         return None
-    return decode_attention
+    return triton_attention
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

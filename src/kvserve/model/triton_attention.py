@@ -64,6 +64,18 @@ def _decode_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
+MAX_HEAD_DIM = 256
+
+
+def supports(q: Tensor, kv_cache: Tensor, context_slots: Tensor) -> bool:
+    """Whether the kernel takes these shapes: a power-of-two head_dim up to
+    MAX_HEAD_DIM (tl.arange needs a power of two), unit stride along it and
+    along the context."""
+    head_dim = q.shape[-1]
+    return (head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0 and q.stride(2) == 1
+            and kv_cache.stride(3) == 1 and context_slots.stride(1) == 1)
+
+
 def decode_attention(q: Tensor, kv_cache: Tensor, context_slots: Tensor, context_lens: Tensor,
                      scale: float) -> Tensor:
     """q: [B, H, D] (one query per sequence); kv_cache: [slots, 2, Hkv, D];
@@ -72,10 +84,9 @@ def decode_attention(q: Tensor, kv_cache: Tensor, context_slots: Tensor, context
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[2]
     group = num_heads // num_kv_heads
-    if q.stride(2) != 1 or kv_cache.stride(3) != 1 or context_slots.stride(1) != 1:
-        raise ValueError("decode_attention needs unit stride along head_dim and context")
-    if head_dim & (head_dim - 1):
-        raise ValueError(f"decode_attention needs a power-of-two head_dim, got {head_dim}")
+    if not supports(q, kv_cache, context_slots):
+        raise ValueError(f"decode_attention does not take head_dim {head_dim} or these strides "
+                         f"(see supports())")
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
     _decode_attention_kernel[(num_seqs, num_kv_heads)](
         q, kv_cache, context_slots, context_lens, out, scale,

@@ -188,7 +188,8 @@ class Serving:
             self.admission.on_start(rid)
         for done in report.finished:
             self._on_finished(done)
-        self.admission.observe_step(report.num_decode_seqs, report.num_prefill_tokens, report.step_s)
+        if not report.captured_graph:  # a capture's one-off time would skew the step-time fit
+            self.admission.observe_step(report.num_decode_seqs, report.num_prefill_tokens, report.step_s)
         self.metrics.record_step(report.num_decode_seqs, report.num_prefill_tokens, report.step_s)
         num_running = 0
         if report.stats is not None:

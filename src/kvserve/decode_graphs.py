@@ -63,8 +63,9 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
 
 
 class _DecodeGraph:
-    """One bucket pair: a captured graph and its static logits, or (without
-    CUDA graphs) the eager forward over the same static buffers."""
+    """One bucket pair: a captured graph and the view of the shared logits
+    buffer it writes, or (without CUDA graphs) the eager forward over the same
+    static buffers."""
 
     def __init__(self, forward: Callable[[], Tensor], graph: "torch.cuda.CUDAGraph | None",
                  logits: Tensor | None) -> None:

@@ -5,11 +5,11 @@ eagerly (use_cuda_graphs=False); the CUDA test captures real graphs."""
 import pytest
 import torch
 
-from kvserve import decode_graphs
 from kvserve.contract import Request, SamplingParams
-from kvserve.decode_graphs import DecodeGraphs, bucket_for, context_buckets
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.runner import build_step_batch
+from kvserve.runner import decode_graphs
+from kvserve.runner.decode_graphs import DecodeGraphs, bucket_for, context_buckets
+from kvserve.runner.step_batch import build_step_batch
 from kvserve.scheduler.scheduler import ScheduledChunk
 from tests.test_model_reference import GREEDY, TINY_MODELS, assert_matches_hf
 from tests.tiny_models import hf_greedy, random_prompts, run_to_completion, tiny_engine
@@ -193,11 +193,11 @@ def test_cuda_graphs_give_the_tokens_of_the_eager_engine_and_of_hf(hf_model):
 
 
 def test_a_failing_or_unfit_attention_kernel_falls_back_to_the_torch_path(monkeypatch, caplog):
-    """llama._cuda_decode_attention: None (the torch path) for shapes the kernel
+    """attention._cuda_decode_attention: None (the torch path) for shapes the kernel
     refuses, and for good after its first failure, with one log line."""
     from types import SimpleNamespace
 
-    from kvserve.model import llama
+    from kvserve.model import attention
 
     calls = []
 
@@ -206,18 +206,18 @@ def test_a_failing_or_unfit_attention_kernel_falls_back_to_the_torch_path(monkey
         raise RuntimeError("Triton could not build its launcher")
 
     kernel = SimpleNamespace(supports=lambda q, kv, slots: q.shape[-1] == 64, decode_attention=failing)
-    monkeypatch.setattr(llama, "_triton_kernel", lambda: kernel)
-    monkeypatch.setattr(llama, "_triton_failed", False)
+    monkeypatch.setattr(attention, "_triton_kernel", lambda: kernel)
+    monkeypatch.setattr(attention, "_triton_failed", False)
     meta = SimpleNamespace(context_slots=torch.zeros(1, 4, dtype=torch.int64),
                            context_lens=torch.ones(1, dtype=torch.int64))
     kv_cache = torch.zeros(8, 2, 1, 64)
-    assert llama._cuda_decode_attention(torch.zeros(1, 2, 32), kv_cache, meta, 0.1) is None
+    assert attention._cuda_decode_attention(torch.zeros(1, 2, 32), kv_cache, meta, 0.1) is None
     assert calls == []  # refused by supports(), never launched
-    assert llama._cuda_decode_attention(torch.zeros(1, 2, 64), kv_cache, meta, 0.1) is None
-    assert llama._cuda_decode_attention(torch.zeros(1, 2, 64), kv_cache, meta, 0.1) is None
+    assert attention._cuda_decode_attention(torch.zeros(1, 2, 64), kv_cache, meta, 0.1) is None
+    assert attention._cuda_decode_attention(torch.zeros(1, 2, 64), kv_cache, meta, 0.1) is None
     assert len(calls) == 1  # disabled after the first failure
     assert sum("Triton decode attention failed" in r.message for r in caplog.records) == 1
     monkeypatch.setenv("KVSERVE_TORCH_ATTENTION", "1")
-    monkeypatch.setattr(llama, "_triton_failed", False)
-    assert llama._cuda_decode_attention(torch.zeros(1, 2, 64), kv_cache, meta, 0.1) is None
+    monkeypatch.setattr(attention, "_triton_failed", False)
+    assert attention._cuda_decode_attention(torch.zeros(1, 2, 64), kv_cache, meta, 0.1) is None
     assert len(calls) == 1

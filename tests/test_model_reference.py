@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvserve.contract import Request, SamplingParams
-from kvserve.runner import build_step_batch
+from kvserve.runner.step_batch import build_step_batch
 from kvserve.scheduler.scheduler import ScheduledChunk
 from tests.tiny_models import (LLAMA3_ROPE, hf_greedy, random_prompts, run_to_completion, tiny_engine,
                                tiny_llama, tiny_qwen2)

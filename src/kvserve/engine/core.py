@@ -23,7 +23,7 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.detokenizer import IncrementalDetokenizer
 from kvserve.model.sampler import SamplerOutput, TokenLogprob
 from kvserve.model.tokenizer import Tokenizer
-from kvserve.runner import ModelRunner
+from kvserve.runner.model_runner import ModelRunner
 from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput
 
 

@@ -13,50 +13,15 @@ into one matmul each so a decode step is a few kernels per layer.
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
-import os
-from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.config import ModelConfig
 from kvserve.model.device import resolve_device
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """Indexing for one forward pass over T flat tokens of B sequences.
-
-    positions:     [T] int64, position of each token in its sequence
-    slot_mapping:  [T] int64, cache slot each token's K/V is written to
-    query_index:   [T] int64, each token's row in the padded [B * max_query_len] query grid
-    context_slots: [B, max_context_len] int64, cache slot of each context position
-                   (positions past a sequence's length point at any valid slot; masked)
-    attn_mask:     [B, 1, max_query_len, max_context_len] bool (True = attend), or None
-                   when every sequence sees its whole context (one-token steps of equal length)
-    context_lens:  [B] int64, each sequence's context length including this step's
-                   tokens (read by the CUDA decode kernel; None where not built)
-    """
-
-    positions: Tensor
-    slot_mapping: Tensor
-    query_index: Tensor
-    context_slots: Tensor
-    attn_mask: Tensor | None
-    num_seqs: int
-    max_query_len: int
-    context_lens: Tensor | None = None
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -164,68 +129,6 @@ class DecoderLayer:
         kv_cache.index_copy_(0, meta.slot_mapping, kv)
         out = paged_attention(q, kv_cache, meta, self.scale)
         return torch.mm(out.reshape(num_tokens, h * d), self.o_weight)
-
-
-def paged_attention(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-    """q: [T, H, D] -> [T, H, D], each query attending causally over its sequence's
-    cached context. GQA without copying K/V: the G query heads that share a KV head
-    are folded into the query-length axis, so SDPA sees Hkv heads throughout."""
-    num_tokens, h, d = q.shape
-    b, qmax = meta.num_seqs, meta.max_query_len
-    if meta.is_decode_only and q.is_cuda and meta.context_lens is not None:
-        out = _cuda_decode_attention(q, kv_cache, meta, scale)
-        if out is not None:
-            return out
-    hkv = kv_cache.shape[2]
-    group = h // hkv
-    # context: [B, Lmax, 2, Hkv, D] gathered through the block tables
-    # index_select, not advanced indexing: many times faster on CPU for this shape.
-    context = kv_cache.index_select(0, meta.context_slots.view(-1)).view(
-        b, -1, *kv_cache.shape[1:])
-    k = context[:, :, 0].transpose(1, 2)  # [B, Hkv, Lmax, D]
-    v = context[:, :, 1].transpose(1, 2)
-    if meta.is_decode_only:
-        # T == B: one query per sequence, no padding grid needed.
-        q_grid = q.view(b, hkv, group, d)
-        out = F.scaled_dot_product_attention(q_grid, k, v, attn_mask=meta.attn_mask, scale=scale)
-        return out.reshape(num_tokens, h, d)
-    q_pad = q.new_zeros(b * qmax, h, d)
-    q_pad.index_copy_(0, meta.query_index, q)
-    # [B, Qmax, Hkv, G, D] -> [B, Hkv, G * Qmax, D]
-    q_grid = q_pad.view(b, qmax, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * qmax, d)
-    mask = meta.attn_mask.repeat(1, 1, group, 1) if meta.attn_mask is not None else None
-    out = F.scaled_dot_product_attention(q_grid, k, v, attn_mask=mask, scale=scale)
-    out = out.view(b, hkv, group, qmax, d).permute(0, 3, 1, 2, 4).reshape(b * qmax, h, d)
-    return out.index_select(0, meta.query_index)
-
-
-def _cuda_decode_attention(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
-                           scale: float) -> Tensor | None:
-    """The Triton kernel's output, or None for the torch path: without Triton,
-    with KVSERVE_TORCH_ATTENTION=1 (A/B runs), for shapes it does not take, or
-    for good once it has failed (e.g. Triton cannot build its launcher here)."""
-    global _triton_failed
-    kernel = None if _triton_failed or os.environ.get("KVSERVE_TORCH_ATTENTION") == "1" else _triton_kernel()
-    if kernel is None or not kernel.supports(q, kv_cache, meta.context_slots):
-        return None
-    try:
-        return kernel.decode_attention(q, kv_cache, meta.context_slots, meta.context_lens, scale)
-    except Exception:
-        _triton_failed = True
-        log.exception("Triton decode attention failed; using the torch attention path from now on")
-        return None
-
-
-_triton_failed = False  # set by the first failure, so one broken install costs one log line
-
-
-@functools.cache
-def _triton_kernel() -> ModuleType | None:
-    try:
-        from kvserve.model import triton_attention
-    except ImportError:
-        return None
-    return triton_attention
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -280,7 +280,7 @@ def profile(args: argparse.Namespace) -> dict:
                                      max_num_batched_tokens=args.max_num_batched_tokens)
     core = EngineCore(loaded.config, loaded.weights, loaded.tokenizer, config)
     samples, jitter = time_engine_steps(core, grid)
-    from kvserve.runner import kv_bytes_per_block
+    from kvserve.runner.model_runner import kv_bytes_per_block
 
     engine = {"kv_cache_memory_bytes": config.kv_cache_memory_bytes, "num_blocks": core.runner.num_blocks,
               "kv_bytes_per_block": kv_bytes_per_block(loaded.config, args.block_size, core.runner.dtype),

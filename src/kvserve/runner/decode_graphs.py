@@ -33,7 +33,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvserve.model.llama import AttentionMetadata, LlamaModel
+from kvserve.model.attention import AttentionMetadata
+from kvserve.model.llama import LlamaModel
 
 if TYPE_CHECKING:
     from kvserve.scheduler.scheduler import ScheduledChunk

@@ -1,0 +1,92 @@
+"""One step's SchedulerOutput as index tensors.
+
+The scheduler speaks in requests, positions and block ids; this is the one
+place that translates them into index tensors, built with numpy per step
+(per-sequence work only, never per token in Python).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kvserve.model.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from kvserve.scheduler.scheduler import ScheduledChunk
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One step as tensors: the flat tokens, attention indexing, and which
+    rows of the hidden states are sampled (and for which requests)."""
+
+    token_ids: Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: Tensor  # [S] row of the last token of each sampling chunk
+    sample_requests: list  # [S] contract.Request
+
+
+
+def build_step_batch(chunks: Sequence["ScheduledChunk"], block_size: int,
+                     device: torch.device) -> StepBatch:
+    """Index tensors for one step: flat positions and slots, padded query grid,
+    context slots per sequence, causal mask."""
+    num_seqs = len(chunks)
+    num_new = np.fromiter((c.num_new_tokens for c in chunks), dtype=np.int64, count=num_seqs)
+    starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=num_seqs)
+    context_lens = starts + num_new
+    cu_tokens = np.concatenate(([0], np.cumsum(num_new)))
+    seq_of_token = np.repeat(np.arange(num_seqs), num_new)  # [T]
+    offset_in_chunk = np.arange(cu_tokens[-1]) - cu_tokens[seq_of_token]
+    positions = starts[seq_of_token] + offset_in_chunk
+
+    block_table = np.zeros((num_seqs, max(len(c.block_ids) for c in chunks)), dtype=np.int64)
+    for row, chunk in enumerate(chunks):
+        block_table[row, :len(chunk.block_ids)] = chunk.block_ids
+    slot_mapping = block_table[seq_of_token, positions // block_size] * block_size + positions % block_size
+
+    max_query_len = int(num_new.max())
+    max_context_len = int(context_lens.max())
+    # Context positions past a sequence's end are clamped to its last position: a
+    # written slot, masked out below, so uninitialised cache memory is never read.
+    context_pos = np.minimum(np.arange(max_context_len)[None, :], context_lens[:, None] - 1)
+    rows = np.arange(num_seqs)[:, None]
+    context_slots = block_table[rows, context_pos // block_size] * block_size + context_pos % block_size
+    query_index = seq_of_token * max_query_len + offset_in_chunk
+    attn_mask = _causal_mask(positions, query_index, num_seqs, max_query_len, max_context_len,
+                             context_lens)
+
+    sampling = [i for i, c in enumerate(chunks) if c.samples]
+    def to(array: np.ndarray) -> Tensor:
+        return torch.from_numpy(array).to(device)
+
+    token_ids = list(chain.from_iterable(
+        c.request.token_ids_slice(c.start, c.start + c.num_new_tokens) for c in chunks))
+    meta = AttentionMetadata(
+        positions=to(positions), slot_mapping=to(slot_mapping), query_index=to(query_index),
+        context_slots=to(context_slots), attn_mask=None if attn_mask is None else to(attn_mask),
+        num_seqs=num_seqs, max_query_len=max_query_len, context_lens=to(context_lens))
+    return StepBatch(
+        token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device), meta=meta,
+        sample_rows=to(cu_tokens[1:][sampling] - 1),
+        sample_requests=[chunks[i].request for i in sampling])
+
+
+def _causal_mask(positions: np.ndarray, query_index: np.ndarray, num_seqs: int, max_query_len: int,
+                 max_context_len: int, context_lens: np.ndarray) -> np.ndarray | None:
+    """[B, 1, Qmax, Lmax] bool: query at position p sees context positions 0..p.
+    None when no query needs masking (one token per sequence, equal lengths)."""
+    if max_query_len == 1 and bool((context_lens == max_context_len).all()):
+        return None
+    # Padding query rows get position 0: they see one key, so softmax stays finite.
+    query_pos = np.zeros(num_seqs * max_query_len, dtype=np.int64)
+    query_pos[query_index] = positions
+    query_pos = query_pos.reshape(num_seqs, 1, max_query_len, 1)
+    return np.arange(max_context_len).reshape(1, 1, 1, -1) <= query_pos

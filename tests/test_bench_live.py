@@ -22,6 +22,11 @@ def _server_successes(report: dict) -> float:
                and 'finished_reason="abort"' not in k)
 
 
+def _counter_sum(report: dict, name: str, *labels: str) -> float:
+    deltas = report["server_metrics"]["counters_delta"]
+    return sum(v for k, v in deltas.items() if k.startswith(name + "{") and all(lab in k for lab in labels))
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_short_mixed_run_counts_match_the_server(tmp_path, endpoint):
     with live_server(default_max_tokens=16) as server:
@@ -39,6 +44,11 @@ def test_short_mixed_run_counts_match_the_server(tmp_path, endpoint):
     assert outcomes["success"] >= 1
     # The server's own count of finished requests equals the client's successes.
     assert _server_successes(report) == outcomes["success"]
+    # kvserve's own counters reach the report too: one front-door decision
+    # per request, and an SLO verdict for every request it finished.
+    assert _counter_sum(report, "kvserve_admission_decisions_total") == 16
+    assert _counter_sum(report, "kvserve_admission_decisions_total", 'outcome="reject"') == outcomes["rejected"]
+    assert _counter_sum(report, "kvserve_slo_requests_total", 'slo="both"') == outcomes["success"]
     # ignore_eos + min_tokens: every success produced exactly the planned tokens.
     for r in report["requests"]:
         if r["outcome"] == "success":

@@ -171,3 +171,33 @@ def test_schedule_lag_recorded(run):
     lag = result.client_stats["schedule_lag_s"]
     assert lag["count"] == len(SCRIPTS)
     assert lag["p50"] < 0.05
+
+
+def test_kvserve_own_counters_reach_the_report():
+    # The names come from the server's own metrics (metrics.py), not from
+    # this test: every counter kvserve exports beside vLLM's must reach
+    # server_metrics.counters_delta, as a difference between two scrapes.
+    from kvserve.bench.client import parse_metrics
+    from kvserve.bench.report import server_metrics_block
+    from kvserve.contract import RequestTimestamps
+    from kvserve.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m", ttft_slo_s=1.0, tpot_slo_s=0.1)
+    before = parse_metrics(metrics.render().decode(), 0.0)
+    metrics.record_admission("admit", None)
+    metrics.record_admission("reject", "kv_cache")
+    metrics.record_cancellation("disconnect")
+    metrics.record_finished(RequestTimestamps(arrival=0.0, scheduled=0.1, token_times=[0.2, 0.25],
+                                              finished=0.25), 8, 2, "length")
+    after = parse_metrics(metrics.render().decode(), 1.0)
+    deltas = server_metrics_block([before, after])["counters_delta"]
+    exported = {family.name for family in metrics.registry.collect()
+                if family.type == "counter" and family.name.startswith("kvserve")}
+    assert exported >= {"kvserve_admission_decisions", "kvserve_cancellations", "kvserve_slo_requests"}
+    for family in exported:
+        assert any(key.startswith(family + "_total{") for key in deltas), (family, sorted(deltas))
+    assert deltas['kvserve_admission_decisions_total{model_name="m",outcome="reject",reason="kv_cache"}'] == 1
+    assert deltas['kvserve_cancellations_total{model_name="m",reason="disconnect"}'] == 1
+    assert deltas['kvserve_slo_requests_total{model_name="m",result="met",slo="both"}'] == 1
+    # Histograms and gauges are not counters: they stay out of the deltas.
+    assert not any(key.startswith(("kvserve_engine_step", "kvserve_running_cap")) for key in deltas)

@@ -513,6 +513,9 @@ _GAUGE_NAMES = {
     "vllm:num_preemptions": "num_preemptions",
 }
 _QUEUE_HIST = "vllm:request_queue_time_seconds"
+# Counters kept for the report: vLLM's names (`vllm:`) and kvserve's own
+# (`kvserve_`: admission decisions, cancellations, SLO verdicts; metrics.py).
+SERVER_COUNTER_PREFIXES = ("vllm:", "kvserve_")
 
 
 class MetricsScraper:
@@ -568,7 +571,7 @@ def parse_metrics(text: str, t_s: float) -> MetricsSample:
             elif name in (_QUEUE_HIST + "_sum", _QUEUE_HIST + "_count"):
                 part = name.rsplit("_", 1)[1]
                 hist[part] = (hist[part] or 0.0) + value
-            if family.type == "counter" and name.startswith(("vllm:", "kvserve:")) \
+            if family.type == "counter" and name.startswith(SERVER_COUNTER_PREFIXES) \
                     and not name.endswith("_created"):
                 labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
                 counters[f"{name}{{{labels}}}" if labels else name] = value

@@ -135,10 +135,9 @@ def _sample_note(report: dict) -> str:
             f"{report['summary']['num_requests']}); the tables cover all of them.</p>")
 
 
-def render_html(report: dict) -> str:
-    """A self-contained HTML page for the report dict."""
-    from kvserve.bench.report import format_table
-
+def render_html(report: dict, table_text: str) -> str:
+    """A self-contained HTML page for the report dict, with `table_text` (the
+    console table, report.format_table) under its summary."""
     charts = "\n".join(f'<div class="chart">{c}</div>' for c in _charts(report))
     warnings = "".join(f"<li>{html.escape(w)}</li>" for w in report.get("client", {}).get("warnings", []))
     return f"""<!doctype html>
@@ -148,7 +147,7 @@ td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}
 .chart{{display:inline-block;margin:6px}} pre{{background:#f6f6f6;padding:8px}}</style></head>
 <body><h1>kvserve bench report</h1>
 {_summary_table(report)}
-<pre>{html.escape(format_table(report))}</pre>
+<pre>{html.escape(table_text)}</pre>
 {f"<h2>warnings</h2><ul>{warnings}</ul>" if warnings else ""}
 <h2>plots</h2>
 {_sample_note(report)}

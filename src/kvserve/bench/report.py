@@ -116,7 +116,7 @@ class MetricsSample:
     gauges: summed over label sets (kv_cache_usage_perc, num_requests_running,
     num_requests_waiting, num_preemptions). queue_buckets: cumulative
     (upper bound s, count) of vllm:request_queue_time_seconds. counters: every
-    vllm:/kvserve: counter sample, keyed 'name{labels}'.
+    vllm:* and kvserve_* counter sample, keyed 'name{labels}'.
     """
 
     t_s: float
@@ -382,7 +382,7 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "html": out / "report.html"}
     paths["json"].write_text(report_json(report))
-    paths["html"].write_text(render_html(report))
+    paths["html"].write_text(render_html(report, format_table(report)))
     return paths
 
 

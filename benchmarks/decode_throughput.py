@@ -39,7 +39,8 @@ import torch
 from kvserve.contract import SamplingParams
 from kvserve.engine.core import EngineConfig, EngineCore
 from kvserve.model.device import resolve_dtype
-from kvserve.model.loader import default_model_path, load_model
+from kvserve.model.loader import load_model
+from kvserve.model_facts.default_model import default_model_path
 
 RESULTS = Path(__file__).parent / "results" / "decode_throughput.json"
 MIXED_PROMPT_LENGTHS = (16, 32, 48, 64, 80, 96, 112, 128)

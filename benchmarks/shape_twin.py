@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from kvserve.model.config import ModelConfig
+from kvserve.model_facts.config import ModelConfig
 from kvserve.plan.presets import PRESETS
 
 

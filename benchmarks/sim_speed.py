@@ -36,11 +36,12 @@ from kvserve.bench.arrivals import arrival_offsets, parse_arrival  # noqa: E402
 from kvserve.bench.report import SLO_PRESETS, build_report  # noqa: E402
 from kvserve.bench.workload import NAMED_MIXES, WorkloadSpec, generate_requests  # noqa: E402
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig  # noqa: E402
+from kvserve.model_facts.memory import num_kv_blocks, weight_bytes  # noqa: E402
 from kvserve.plan import kv_math  # noqa: E402
+from kvserve.plan.hardware import hardware_preset  # noqa: E402
 from kvserve.plan.presets import preset  # noqa: E402
-from kvserve.sim.cost_model import RooflineCostModel  # noqa: E402
+from kvserve.plan.roofline import RooflineCostModel  # noqa: E402
 from kvserve.sim.cli import report_rows_every  # noqa: E402
-from kvserve.sim.hardware import hardware_preset  # noqa: E402
 from kvserve.sim.simulator import SimConfig, Simulator  # noqa: E402
 
 
@@ -65,8 +66,8 @@ def main() -> int:
 
     spec = preset("llama-3.1-8b")
     h100 = hardware_preset("h100")
-    budget = kv_math.memory_budget(h100.memory_bytes, kv_math.weight_bytes(spec.config, 2), 0.1)
-    num_blocks = budget.kv_bytes // (kv_math.kv_bytes_per_token(spec.config, 2) * 16)
+    budget = kv_math.memory_budget(h100.memory_bytes, weight_bytes(spec.config, 2), 0.1)
+    num_blocks = num_kv_blocks(budget.kv_bytes, spec.config, 16, 2)
     config = SimConfig(SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=8192),
                        CacheConfig(num_blocks=num_blocks), AdmissionConfig(),
                        num_replicas=args.replicas, router="least-queue", exact_token_events=False,

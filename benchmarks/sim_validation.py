@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from kvserve.bench.cli import free_port, wait_ready  # noqa: E402
 from kvserve.cli import main as kvserve_main  # noqa: E402
-from kvserve.model.default_model import default_model_path  # noqa: E402
+from kvserve.model_facts.default_model import default_model_path  # noqa: E402
 
 METRICS = (("ttft", "p50"), ("ttft", "p99"), ("tpot", "p50"), ("tpot", "p99"))
 

@@ -15,7 +15,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from kvserve.config import AdmissionConfig, ServerConfig
 from kvserve.contract import ResolvedVersions
 from kvserve.engine.core import EngineConfig, EngineCore
-from kvserve.model.tokenizer import Tokenizer
+from kvserve.model_facts.tokenizer import Tokenizer
 from kvserve.server.app import create_app
 from kvserve.server.serving import Serving
 from kvserve.server.tenants import TenantDirectory

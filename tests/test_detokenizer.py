@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.model.detokenizer import IncrementalDetokenizer
-from kvserve.model.loader import load_tokenizer
-from kvserve.model.tokenizer import Tokenizer
+from kvserve.model_facts.source import load_tokenizer
+from kvserve.model_facts.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 

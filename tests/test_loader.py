@@ -16,9 +16,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a model hu
 
 from kvserve.contract import SamplingParams  # noqa: E402
 from kvserve.engine.core import EngineConfig, EngineCore  # noqa: E402
-from kvserve.model import default_model  # noqa: E402
-from kvserve.model.config import ModelLoadError  # noqa: E402
-from kvserve.model.loader import LoadedModel, default_model_path, load_model, load_tokenizer  # noqa: E402
+from kvserve.model_facts import default_model  # noqa: E402
+from kvserve.model_facts.config import ModelLoadError  # noqa: E402
+from kvserve.model.loader import LoadedModel, load_model  # noqa: E402
+from kvserve.model_facts.default_model import default_model_path  # noqa: E402
+from kvserve.model_facts.source import load_tokenizer  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -262,7 +264,7 @@ def tiny_hf_folder(folder: Path, arch: str, model=None, **save_kwargs) -> Path:
 
 
 def load_tokenizer_for_tests():
-    from kvserve.model.tokenizer import Tokenizer, byte_level_bpe
+    from kvserve.model_facts.tokenizer import Tokenizer, byte_level_bpe
 
     tokens = _byte_tokens()
     backend = byte_level_bpe(tokens, _MERGES, [3, 3, 3] + [1] * (len(tokens) - 3), "default")

@@ -113,7 +113,7 @@ def smol():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers = pytest.importorskip("transformers")
     from kvserve import LLM
-    from kvserve.model.loader import default_model_path
+    from kvserve.model_facts.default_model import default_model_path
 
     path = default_model_path()
     llm = LLM(kv_cache_memory="256MiB", device="cpu")

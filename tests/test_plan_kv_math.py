@@ -2,7 +2,8 @@
 
 import pytest
 
-from kvserve.model.config import ModelConfig
+from kvserve.model_facts import memory
+from kvserve.model_facts.config import ModelConfig
 from kvserve.plan import kv_math
 from kvserve.plan.presets import preset, resolve_model
 
@@ -16,12 +17,12 @@ LLAMA_8B_SHAPES = ModelConfig(architecture="llama", vocab_size=128256, hidden_si
 
 def test_kv_bytes_per_token_hand_checked():
     # 2 (K and V) x 32 x 8 x 128 x 2 bytes = 131,072 bytes = 128 KiB per token.
-    assert kv_math.kv_bytes_per_token(LLAMA_8B_SHAPES, 2) == 131072
-    assert kv_math.kv_bytes_per_token(LLAMA_8B_SHAPES, 1) == 65536
+    assert LLAMA_8B_SHAPES.kv_bytes_per_token(2) == 131072
+    assert LLAMA_8B_SHAPES.kv_bytes_per_token(1) == 65536
 
 
 def test_8192_token_sequence_is_one_gib_and_twenty_are_twenty_gib():
-    per_token = kv_math.kv_bytes_per_token(LLAMA_8B_SHAPES, 2)
+    per_token = LLAMA_8B_SHAPES.kv_bytes_per_token(2)
     rows = kv_math.concurrency_table(capacity_tokens=20 * 8192, bytes_per_token=per_token,
                                      contexts=[kv_math.ContextLength(8192)])
     assert rows[0].kv_bytes_per_sequence == 1 * GIB
@@ -52,11 +53,11 @@ def test_preset_parameters_and_weights_match_published_sizes():
     assert preset("llama-3.1-70b").config.num_parameters() == pytest.approx(70.6e9, rel=0.005)
     assert preset("qwen2.5-7b").config.num_parameters() == pytest.approx(7.61e9, rel=0.005)
     assert preset("smollm2-135m").config.num_parameters() == pytest.approx(134.5e6, rel=0.005)
-    assert kv_math.weight_bytes(preset("llama-3.1-8b").config, 2) == 2 * 8030261248
+    assert memory.weight_bytes(preset("llama-3.1-8b").config, 2) == 2 * 8030261248
 
 
 def test_context_shift_shrinks_concurrency_and_grows_demand():
-    per_token = kv_math.kv_bytes_per_token(LLAMA_8B_SHAPES, 2)
+    per_token = LLAMA_8B_SHAPES.kv_bytes_per_token(2)
     shift = kv_math.context_shift(capacity_tokens=480_000, bytes_per_token=per_token,
                                   before=kv_math.ContextLength(800, 200),
                                   after=kv_math.ContextLength(6000, 200),
@@ -81,6 +82,6 @@ def test_unknown_names_are_clear_errors():
     with pytest.raises(ValueError, match="known presets"):
         preset("gpt-5")
     with pytest.raises(ValueError, match="unknown dtype"):
-        kv_math.dtype_bytes("fp3")
+        memory.dtype_bytes("fp3")
     with pytest.raises(ValueError, match="exactly one"):
         resolve_model(None, None)

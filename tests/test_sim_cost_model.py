@@ -9,7 +9,7 @@ from kvserve.plan.presets import preset
 from kvserve.sim.cost_model import (JitteredCostModel, LinearCostModel, RooflineCostModel, StepShape,
                                     fit_linear_cost_model, jitter_summary, load_profile, profile_json,
                                     resolve_hardware, with_step_jitter)
-from kvserve.sim.hardware import hardware_preset
+from kvserve.plan.hardware import hardware_preset
 
 LLAMA_8B = preset("llama-3.1-8b").config
 

@@ -12,7 +12,7 @@ import os
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from kvserve.model.config import ModelConfig
+from kvserve.model_facts.config import ModelConfig
 
 TINY_DIMS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -80,7 +80,7 @@ def word_tokenizer(vocab_size: int = TINY_DIMS["vocab_size"]):
     from tokenizers import Tokenizer as BackendTokenizer
     from tokenizers import models, pre_tokenizers
 
-    from kvserve.model.tokenizer import Tokenizer
+    from kvserve.model_facts.tokenizer import Tokenizer
 
     backend = BackendTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

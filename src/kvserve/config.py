@@ -15,6 +15,9 @@ _SIZE_UNITS = {
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+# The KV cache an engine gets unless told otherwise: `kvserve serve`,
+# `profile`, `generate`, `EngineConfig` and `LLM` (kvserve/flags.py).
+DEFAULT_KV_CACHE_MEMORY = "1GiB"
 
 
 def parse_size(value: str | int | float) -> int:

@@ -41,6 +41,7 @@ COMPILED_MODULES = (
     "kvserve.scheduler.policy",
     "kvserve.scheduler.admission",
     "kvserve.scheduler.scheduler",
+    "kvserve.plan.roofline",  # the roofline step time (sim.cost_model's, shared with `kvserve plan`)
     "kvserve.sim.cost_model",
     "kvserve.sim.router",
     "kvserve.sim.simulator",

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.config import CacheConfig, SchedulerConfig, parse_size
+from kvserve.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig, SchedulerConfig, parse_size
 from kvserve.contract import Request, RequestStatus, ResolvedVersions, SamplingParams
 from kvserve.engine.outputs import RequestOutput
-from kvserve.model.config import ModelConfig
+from kvserve.model_facts.config import ModelConfig
 from kvserve.model.detokenizer import IncrementalDetokenizer
 from kvserve.model.sampler import SamplerOutput, TokenLogprob
-from kvserve.model.tokenizer import Tokenizer
+from kvserve.model_facts.tokenizer import Tokenizer
 from kvserve.runner.model_runner import ModelRunner
 from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput
 
@@ -34,7 +34,7 @@ class EngineConfig:
     context and is capped by it."""
 
     dtype: str = "float32"
-    kv_cache_memory_bytes: int = 2 * 2**30
+    kv_cache_memory_bytes: int = parse_size(DEFAULT_KV_CACHE_MEMORY)
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -45,7 +45,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (they are used only on CUDA)
 
     @classmethod
-    def from_sizes(cls, kv_cache_memory: str | int = "2GiB", **fields) -> "EngineConfig":
+    def from_sizes(cls, kv_cache_memory: str | int = DEFAULT_KV_CACHE_MEMORY, **fields) -> "EngineConfig":
         return cls(kv_cache_memory_bytes=parse_size(kv_cache_memory), **fields)
 
     def __post_init__(self) -> None:

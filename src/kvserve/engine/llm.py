@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from kvserve.config import DEFAULT_KV_CACHE_MEMORY
 from kvserve.contract import SamplingParams
 from kvserve.engine.core import EngineConfig, EngineCore
 from kvserve.engine.outputs import RequestOutput
@@ -20,12 +21,13 @@ Messages = list[dict]
 
 class LLM:
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "float32",
-                 kv_cache_memory: str | int = "2GiB", block_size: int = 16, max_num_seqs: int = 64,
+                 kv_cache_memory: str | int = DEFAULT_KV_CACHE_MEMORY, block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  device: str | None = None, max_model_len: int | None = None, seed: int = 0,
                  enforce_eager: bool = False) -> None:
         """Load `model` (None: the embedded SmolLM2-135M-Instruct; a *.gguf file or a
-        Hugging Face folder) and size the KV cache to `kv_cache_memory` ("2GiB" or bytes)."""
+        Hugging Face folder) and size the KV cache to `kv_cache_memory` ("2GiB" or bytes;
+        default 1GiB, as `kvserve serve`)."""
         config = EngineConfig.from_sizes(
             kv_cache_memory, dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvserve.model.tokenizer import Tokenizer
+from kvserve.model_facts.tokenizer import Tokenizer
 
 # Prompt tokens kept as left context for the first output token: enough for
 # tokenizers whose decoding of a token depends on its neighbours.

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvserve.model.attention import AttentionMetadata, paged_attention
-from kvserve.model.config import ModelConfig
+from kvserve.model_facts.config import ModelConfig
 from kvserve.model.device import resolve_device
 
 

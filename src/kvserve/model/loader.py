@@ -1,7 +1,8 @@
 """load_model: one entry point for the embedded default model, a GGUF file or
 a Hugging Face folder. Whatever the source, the result is the same: a
 ModelConfig, float32 weights under HF parameter names in HF orientation, a
-Tokenizer, and the versions that identify what was loaded."""
+Tokenizer, and the versions that identify what was loaded. Sources, configs
+and tokenizers are model_facts/ (torch-free); this module adds the weights."""
 
 from __future__ import annotations
 
@@ -14,16 +15,14 @@ import torch
 
 from kvserve.contract import ResolvedVersions
 from kvserve.model import hf_folder
-from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
-from kvserve.model.default_model import default_model_path, file_sha256
-from kvserve.model.tokenizer import Tokenizer
+from kvserve.model.gguf_file import GGUFModel
+from kvserve.model_facts import hf_config
+from kvserve.model_facts.config import ModelConfig, ModelLoadError
+from kvserve.model_facts.default_model import file_sha256
+from kvserve.model_facts.source import guard_malformed, open_gguf, read_hf_tokenizer, resolve_source
+from kvserve.model_facts.tokenizer import Tokenizer
 
-__all__ = ["LoadedModel", "ModelLoadError", "default_model_path", "expected_weight_shapes", "load_model",
-           "load_tokenizer"]
-
-_SUPPORTED_SOURCES = (
-    "no path (the embedded default model), a *.gguf file, or a Hugging Face folder "
-    f"(config.json + *.safetensors + tokenizer.json); architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
+__all__ = ["LoadedModel", "ModelLoadError", "expected_weight_shapes", "load_model"]
 
 
 @dataclass
@@ -45,75 +44,25 @@ def load_model(path: str | os.PathLike | None = None, *, dtype: torch.dtype = to
     folder; a *.gguf file -> GGUF. Every failure is a ModelLoadError whose
     message says what is wrong and what is supported.
     """
-    source = _resolve(path)
+    source = resolve_source(path)
     loaded = _load_hf_folder(source, dtype) if source.is_dir() else _load_gguf(source, dtype)
     check_weights(loaded.config, loaded.weights, source)
     return loaded
 
 
-def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
-    """Only the tokenizer of a model (no weights are read); same sources and
-    errors as load_model."""
-    source = _resolve(path)
-    if source.is_dir():
-        return hf_folder.read_tokenizer(source, hf_folder.read_config(source))
-    model = _open_gguf(source)
-    return _guard(lambda: model.tokenizer(_guard(model.config, source)), source)
-
-
-def _resolve(path: str | os.PathLike | None) -> Path:
-    """The file or HF folder to read. A folder holding one *.gguf and no
-    config.json means that file (e.g. a downloaded GGUF repo)."""
-    source = default_model_path() if path is None else Path(path).expanduser()
-    if not source.exists():
-        raise ModelLoadError(f"model path {str(source)!r} does not exist (kvserve reads local files only, "
-                             f"it never downloads); expected {_SUPPORTED_SOURCES}")
-    if source.is_dir() and not (source / "config.json").exists():
-        ggufs = sorted(source.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ggufs[0]
-        if ggufs:
-            raise ModelLoadError(f"{source} holds several GGUF files; pass one: {[g.name for g in ggufs]}")
-    return source
-
-
-def _open_gguf(path: Path):
-    from kvserve.model.gguf_file import GGUFModel  # gguf is only needed for GGUF files
-
-    if not path.is_file() or not _has_gguf_magic(path):
-        raise ModelLoadError(f"{path} is not a GGUF file (no GGUF magic); expected {_SUPPORTED_SOURCES}")
-    return GGUFModel(path)
-
-
 def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
-    model = _open_gguf(path)
-    config = _guard(model.config, path)
-    tokenizer = _guard(lambda: model.tokenizer(config), path)
-    weights = {name: t.to(dtype) for name, t in _guard(lambda: model.weights(config), path).items()}
+    model = GGUFModel(path, open_gguf(path))
+    config = guard_malformed(model.config, path)
+    tokenizer = guard_malformed(lambda: model.tokenizer(config), path)
+    weights = {name: t.to(dtype) for name, t in guard_malformed(lambda: model.weights(config), path).items()}
     return LoadedModel(config, weights, tokenizer, _versions(file_sha256(path), tokenizer), str(path))
 
 
 def _load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
-    config = hf_folder.read_config(folder)
-    tokenizer = hf_folder.read_tokenizer(folder, config)
+    config = hf_config.read_config(folder)
+    tokenizer = read_hf_tokenizer(folder, config)
     weights = hf_folder.read_weights(folder, config, dtype)
     return LoadedModel(config, weights, tokenizer, _versions(_folder_revision(folder), tokenizer), str(folder))
-
-
-def _guard(read, path: Path):
-    """Run a reader over a file that may be truncated or malformed: numpy and
-    gguf raise assorted errors for bad offsets; turn them into ModelLoadError."""
-    try:
-        return read()
-    except ModelLoadError:
-        raise
-    except (ValueError, IndexError, KeyError, TypeError, OSError, RuntimeError) as e:
-        raise ModelLoadError(f"{path}: malformed or truncated model file ({type(e).__name__}: {e})") from e
-
-
-def _has_gguf_magic(path: Path) -> bool:
-    with path.open("rb") as f:
-        return f.read(4) == b"GGUF"
 
 
 def _versions(model_revision: str, tokenizer: Tokenizer) -> ResolvedVersions:

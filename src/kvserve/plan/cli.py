@@ -11,9 +11,13 @@ import json
 import sys
 from dataclasses import dataclass
 
+from kvserve import flags
 from kvserve.config import parse_size
+from kvserve.model_facts.memory import dtype_bytes, weight_bytes
 from kvserve.plan import kv_math, queueing
+from kvserve.plan.hardware import HARDWARE, HardwareProfile, hardware_preset
 from kvserve.plan.presets import PRESETS, ModelSpec, resolve_model
+from kvserve.plan.roofline import RooflineCostModel, StepShape
 
 QUEUEING_NOTE = ("thinking tool: Kingman (G/G/1) and Allen-Cunneen (G/G/c) assume FCFS, "
                  "stationary arrivals and load-independent service times; batching breaks the "
@@ -30,12 +34,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight dtype (bytes per parameter): bfloat16, float16, float32, fp8, "
                         "int8, q8_0, q4_1, int4. Default: the file size for --model, else bfloat16")
     parser.add_argument("--kv-dtype", default="bfloat16",
-                        help="KV cache element dtype (bfloat16 = 2 bytes per element)")
-    parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+                        help="KV cache element dtype (bfloat16 = 2 bytes per element; `kvserve serve` "
+                        "holds its KV cache in its --dtype, float32 by default)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    flags.add_block_size_argument(parser)
     parser.add_argument("--memory", default=None,
                         help="device memory per device, e.g. 80GiB or 80GB; default: the "
                         "--hardware preset's memory")
@@ -61,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="mean request service time in seconds (prefill + decode); default: "
                         "a roofline estimate on --hardware")
     parser.add_argument("--hardware", default=None,
-                        help="accelerator for service-time estimates: h100, h200, a100, l4 "
+                        help=f"accelerator for service-time estimates: {', '.join(HARDWARE)} "
                         "(default h100 when needed)")
     parser.add_argument("--max-num-seqs", type=int, default=256,
                         help="scheduler cap on sequences per replica (batch slots)")
@@ -87,14 +92,14 @@ def weight_bytes_of(spec: ModelSpec, dtype: str | None) -> int:
     """Exact file bytes for a model on disk unless a dtype is named."""
     if dtype is None and spec.weight_file_bytes is not None:
         return spec.weight_file_bytes
-    return kv_math.weight_bytes(spec.config, kv_math.dtype_bytes(dtype or "bfloat16"))
+    return weight_bytes(spec.config, dtype_bytes(dtype or "bfloat16"))
 
 
 def capacity(args: argparse.Namespace, spec: ModelSpec, memory_bytes: int) -> Capacity:
     reserve_fraction, reserve_bytes = _reserve(args, memory_bytes)
     budget = kv_math.memory_budget(memory_bytes, weight_bytes_of(spec, args.dtype),
                                    reserve_fraction, reserve_bytes)
-    per_token = kv_math.kv_bytes_per_token(spec.config, kv_math.dtype_bytes(args.kv_dtype))
+    per_token = spec.config.kv_bytes_per_token(dtype_bytes(args.kv_dtype))
     tokens = kv_math.kv_capacity_tokens(budget.kv_bytes, per_token, args.block_size)
     return Capacity(spec, budget, per_token, tokens, args.block_size)
 
@@ -102,13 +107,7 @@ def capacity(args: argparse.Namespace, spec: ModelSpec, memory_bytes: int) -> Ca
 def _reserve(args: argparse.Namespace, memory_bytes: int) -> tuple[float, int]:
     if args.reserve_fraction is not None:
         return args.reserve_fraction, 0
-    text = str(args.reserve).strip()
-    if text.endswith("%"):
-        try:
-            return float(text[:-1]) / 100.0, 0
-        except ValueError:
-            raise ValueError(f"bad --reserve {text!r}: use a percentage like 10% or a size") from None
-    return 0.0, parse_size(text)
+    return kv_math.parse_reserve(args.reserve)
 
 
 def _memory_bytes(args: argparse.Namespace) -> int:
@@ -123,9 +122,7 @@ def _memory_bytes(args: argparse.Namespace) -> int:
     return per_device * args.num_devices
 
 
-def _hardware(args: argparse.Namespace):
-    from kvserve.sim.hardware import hardware_preset  # plain numbers, no engine
-
+def _hardware(args: argparse.Namespace) -> HardwareProfile:
     return hardware_preset(args.hardware or "h100")
 
 
@@ -133,11 +130,9 @@ def service_time_estimate_s(args: argparse.Namespace, cap: Capacity, ctx: kv_mat
                             batch: int) -> float:
     """Roofline estimate: prefill the prompt alone, then `output` decode steps
     at `batch` sequences of this context. Optimistic (no queueing inside)."""
-    from kvserve.sim.cost_model import RooflineCostModel, StepShape
-
     model = RooflineCostModel(cap.spec.config, _hardware(args),
                               cap.budget.weight_bytes / max(1, cap.spec.config.num_parameters()),
-                              kv_math.dtype_bytes(args.kv_dtype))
+                              dtype_bytes(args.kv_dtype))
     p = ctx.prompt_tokens
     prefill_s = model.step_time_s(StepShape(p, 0, p, p * (p + 1) // 2))
     held = int(ctx.mean_held_tokens)

@@ -5,43 +5,15 @@ given length fit at once.
 Capacity is stated in KV tokens, not requests per second: a sequence holds
 (prompt + generated) tokens of K and V in every layer until it finishes, so
 the context length, not the request count, decides how many run together.
+Bytes per token, per weight and per block are model_facts/memory.py.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from kvserve.model.config import ModelConfig
-
-# Bytes per element of a weight or KV dtype name. Quantized weight formats
-# count their average bits per weight including block scales (GGUF Q4_1
-# stores 20 bytes per 32 weights = 5 bits; Q8_0 34 bytes per 32 = 8.5 bits).
-DTYPE_BYTES: dict[str, float] = {
-    "float32": 4.0, "fp32": 4.0,
-    "bfloat16": 2.0, "bf16": 2.0, "float16": 2.0, "fp16": 2.0,
-    "fp8": 1.0, "int8": 1.0,
-    "q8_0": 34 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32, "int4": 0.5,
-}
-
-
-def dtype_bytes(name: str) -> float:
-    """Bytes per element of `name`; ValueError listing known names otherwise."""
-    key = name.strip().lower()
-    if key not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPE_BYTES)}")
-    return DTYPE_BYTES[key]
-
-
-def weight_bytes(config: ModelConfig, bytes_per_param: float) -> int:
-    """Weights resident on the device: parameters x bytes per parameter."""
-    return int(math.ceil(config.num_parameters() * bytes_per_param))
-
-
-def kv_bytes_per_token(config: ModelConfig, kv_dtype_bytes: float) -> int:
-    """K and V of one token in every layer: 2 x layers x KV heads x head dim x bytes."""
-    per_element = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-    return int(math.ceil(per_element * kv_dtype_bytes))
+from kvserve.config import parse_size
+from kvserve.model_facts.memory import blocks_in
 
 
 @dataclass(frozen=True)
@@ -76,13 +48,23 @@ def memory_budget(memory_bytes: int, weight_bytes: int, reserve_fraction: float 
     return MemoryBudget(memory_bytes=memory_bytes, weight_bytes=weight_bytes, reserve_bytes=reserve)
 
 
+def parse_reserve(text: str) -> tuple[float, int]:
+    """A reserve flag: "10%" -> (0.1, 0) of memory, "4GiB" -> (0.0, bytes)."""
+    text = str(text).strip()
+    if text.endswith("%"):
+        try:
+            return float(text[:-1]) / 100.0, 0
+        except ValueError:
+            raise ValueError(f"bad reserve {text!r}: use a percentage like 10% or a size") from None
+    return 0.0, parse_size(text)
+
+
 def kv_capacity_tokens(kv_bytes: int, bytes_per_token: int, block_size: int = 16) -> int:
     """Token slots the KV bytes hold, in whole blocks of `block_size` (the
     paged cache allocates blocks, so a partial block at the end is unusable)."""
     if bytes_per_token <= 0 or block_size <= 0:
         raise ValueError("bytes_per_token and block_size must be > 0")
-    num_blocks = kv_bytes // (bytes_per_token * block_size)
-    return num_blocks * block_size
+    return blocks_in(kv_bytes, bytes_per_token * block_size) * block_size
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int = 16) -> int:

@@ -1,5 +1,5 @@
-"""Named model architectures for capacity planning, and a config-only reader
-for a model on disk.
+"""Named model architectures for capacity planning, and the shapes of a
+model on disk (read by model_facts/, no weight loaded).
 
 The figures are the `config.json` values of each model's Hugging Face card;
 planning needs the shapes, never the weights, so `kvserve plan` and
@@ -8,11 +8,12 @@ planning needs the shapes, never the weights, so `kvserve plan` and
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.model.config import ModelConfig
+from kvserve.model_facts.config import ModelConfig
+from kvserve.model_facts.hf_config import read_config
+from kvserve.model_facts.source import guard_malformed, open_gguf, resolve_source
 
 
 @dataclass(frozen=True)
@@ -81,81 +82,15 @@ def resolve_model(preset_name: str | None, model_path: str | None) -> ModelSpec:
 
 def read_model_spec(path: Path) -> ModelSpec:
     """Shapes of a model on disk without loading a weight: a Hugging Face
-    folder's config.json or a GGUF file's metadata. The weight bytes are the
-    sizes of the weight files, which already account for quantization."""
-    if not path.exists():
-        raise ValueError(f"model path {str(path)!r} does not exist")
-    if path.is_file() and path.suffix == ".gguf":
-        return _read_gguf(path)
-    config_file = path / "config.json" if path.is_dir() else path
-    if not config_file.is_file():
-        raise ValueError(f"{str(path)!r} is neither a .gguf file nor a folder with config.json")
-    config = _config_from_hf(json.loads(config_file.read_text()))
-    weight_files = list(config_file.parent.glob("*.safetensors")) + list(config_file.parent.glob("*.bin"))
+    folder's (or a config.json file's) config, or a GGUF file's metadata. The
+    weight bytes are the sizes of the weight files, which already account
+    for quantization."""
+    source = resolve_source(path)
+    if source.suffix == ".gguf":
+        facts = open_gguf(source)
+        return ModelSpec(name=source.stem, config=guard_malformed(facts.config, source),
+                         weight_file_bytes=facts.weight_bytes())
+    folder = source if source.is_dir() else source.parent
+    weight_files = list(folder.glob("*.safetensors")) + list(folder.glob("*.bin"))
     weight_bytes = sum(f.stat().st_size for f in weight_files) or None
-    return ModelSpec(name=config_file.parent.name, config=config, weight_file_bytes=weight_bytes)
-
-
-def _config_from_hf(raw: dict) -> ModelConfig:
-    arch = str(raw.get("model_type", "llama"))
-    heads = int(raw["num_attention_heads"])
-    eos = raw.get("eos_token_id")
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=int(raw["hidden_size"]),
-        intermediate_size=int(raw["intermediate_size"]),
-        num_hidden_layers=int(raw["num_hidden_layers"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(raw.get("num_key_value_heads", heads)),
-        head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=bool(raw.get("attention_bias", arch == "qwen2")),
-        eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
-    )
-
-
-def _read_gguf(path: Path) -> ModelSpec:
-    import gguf  # only this path needs it; a preset plan stays import-light
-
-    reader = gguf.GGUFReader(str(path))
-    arch = _gguf_value(reader, "general.architecture")
-
-    def field(key: str, default=None):
-        value = _gguf_value(reader, f"{arch}.{key}")
-        return default if value is None else value
-
-    heads = int(field("attention.head_count"))
-    hidden = int(field("embedding_length"))
-    names = {t.name for t in reader.tensors}
-    vocab = field("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    config = ModelConfig(
-        architecture=arch, vocab_size=int(vocab), hidden_size=hidden,
-        intermediate_size=int(field("feed_forward_length")),
-        num_hidden_layers=int(field("block_count")), num_attention_heads=heads,
-        num_key_value_heads=int(field("attention.head_count_kv", heads)),
-        head_dim=int(field("attention.key_length", hidden // heads)),
-        max_position_embeddings=int(field("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-    )
-    weight_bytes = sum(int(t.n_bytes) for t in reader.tensors)
-    return ModelSpec(name=path.stem, config=config, weight_file_bytes=weight_bytes)
-
-
-def _gguf_value(reader, key: str):
-    """A scalar or string metadata value, None when absent."""
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    part = field.parts[field.data[0]]
-    if field.types and field.types[0] == _gguf_string_type():
-        return bytes(part).decode("utf-8")
-    return part[0].item()
-
-
-def _gguf_string_type():
-    import gguf
-
-    return gguf.GGUFValueType.STRING
+    return ModelSpec(name=folder.name, config=read_config(source), weight_file_bytes=weight_bytes)

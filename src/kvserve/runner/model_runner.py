@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from kvserve.model.config import ModelConfig
+from kvserve.model_facts import memory
+from kvserve.model_facts.config import ModelConfig
 from kvserve.model.device import resolve_device, resolve_dtype
 from kvserve.model.llama import LlamaModel
 from kvserve.model.sampler import Sampler, SamplerOutput
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return block_size * config.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
+    return memory.kv_bytes_per_block(config, block_size, dtype.itemsize)
 
 
 class ModelRunner:
@@ -37,11 +38,7 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.model = LlamaModel.from_weights(config, weights, self.dtype, self.device, self.max_model_len)
-        self.num_blocks = kv_cache_memory_bytes // kv_bytes_per_block(config, block_size, self.dtype)
-        if self.num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory of {kv_cache_memory_bytes} bytes holds no block: one block of "
-                f"{block_size} tokens needs {kv_bytes_per_block(config, block_size, self.dtype)} bytes")
+        self.num_blocks = memory.num_kv_blocks(kv_cache_memory_bytes, config, block_size, self.dtype.itemsize)
         # [layers, slots, 2 (K, V), kv_heads, head_dim]: the pool's blocks, then one
         # scratch slot outside them that graph padding writes to and reads from.
         # Block slots are left uninitialised: the eager path reads a slot only after

@@ -1,10 +1,10 @@
 """`kvserve simulate`: the real scheduler and admission controller on a
 virtual clock, with a hardware cost model in place of the GPU.
 
-Takes `kvserve bench`'s workload / arrival / SLO flags (the same argparse
-actions, adopted from bench's parser so the two never drift), `kvserve
-serve`'s engine and admission flags, and `kvserve plan`'s model flags, and
-writes the same report.json as `kvserve bench`.
+Takes `kvserve bench`'s workload / arrival / SLO flags, `kvserve serve`'s
+KV cache, batching and admission flags (kvserve/flags.py) and `kvserve
+plan`'s model flags, each the same definition as there, and writes the same
+report.json as `kvserve bench`.
 
     kvserve simulate --preset llama-3.1-8b --hardware h100 --rate 20 --num-requests 2000
     kvserve simulate --model m.gguf --hardware profile.json --rate 2 --out sim-out
@@ -16,20 +16,20 @@ import argparse
 import math
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from kvserve import compiled
+from kvserve import compiled, flags
 from kvserve.bench import cli as bench_cli
 from kvserve.bench.report import SLO, build_report, format_table, parse_slo, write_report
-from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig, parse_size
+from kvserve.config import CacheConfig, SchedulerConfig, parse_size
+from kvserve.model_facts.memory import blocks_in, dtype_bytes, num_kv_blocks
 from kvserve.plan import kv_math
 from kvserve.plan.cli import add_model_arguments, weight_bytes_of
+from kvserve.plan.hardware import HardwareProfile
 from kvserve.plan.presets import ModelSpec, resolve_model
-from kvserve.sim.cost_model import (CostModel, LinearCostModel, RooflineCostModel,
-                                    resolve_hardware, with_step_jitter)
-from kvserve.sim.hardware import HardwareProfile
+from kvserve.plan.roofline import RooflineCostModel
+from kvserve.sim.cost_model import CostModel, LinearCostModel, resolve_hardware, with_step_jitter
 from kvserve.sim.router import ROUTERS
 from kvserve.sim.simulator import AutoscaleConfig, SimConfig, Simulator
 
@@ -37,37 +37,24 @@ from kvserve.sim.simulator import AutoscaleConfig, SimConfig, Simulator
 # instead of every token (memory), and report.json keeps every k-th request's
 # row, at most this many (file size; enough for its plots).
 EXACT_EVENTS_MAX_REQUESTS = 20_000
-# Flags of `kvserve serve`'s engine group that make no sense here (or that
-# the model flags above already define).
-_SERVE_FLAGS_SKIPPED = {"--model", "--served-model-name", "--dtype", "--device", "--block-size"}
-
-
-def _adopt(parser: argparse.ArgumentParser, build: Callable[[argparse.ArgumentParser], None],
-           titles: tuple[str, ...], skip: set[str] = frozenset()) -> None:
-    """Add another command's argument groups (by title) to `parser`: the very
-    same actions, so names, defaults and help stay one definition."""
-    source = argparse.ArgumentParser(add_help=False)
-    build(source)
-    for group in source._action_groups:
-        if group.title not in titles:
-            continue
-        target = parser.add_argument_group(group.title)
-        for action in group._group_actions:
-            taken = set(action.option_strings) & (skip | set(parser._option_string_actions))
-            if not taken:
-                target._add_action(action)
+_NO_EFFECT = "accepted as `kvserve serve` takes it; no effect on a simulation"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvserve.server import cli as serve_cli  # its engine / admission flags
-
     add_model_arguments(parser)
-    # The very same flag definitions as `kvserve bench`, so the two never drift.
+    # The very same flag definitions as `kvserve bench` and `kvserve serve`
+    # (kvserve/flags.py), so they never drift.
     bench_cli.add_workload_arguments(parser.add_argument_group("workload and arrivals"))
     bench_cli.add_judgement_arguments(parser.add_argument_group("judgement and output"))
-    _adopt(parser, serve_cli.add_arguments, ("model and engine", "admission (the promise)"),
-           _SERVE_FLAGS_SKIPPED)
-    parser.set_defaults(out="sim-out", kv_cache_memory=None, spawn=False)
+    engine = parser.add_argument_group("model and engine")
+    flags.add_kv_cache_arguments(
+        engine, kv_cache_memory_default=None,
+        kv_cache_memory_default_text="the cache of the engine a profile JSON measured, else the "
+                                     "hardware's memory (--memory) less weights and --reserve")
+    flags.add_batching_arguments(engine)
+    flags.add_runtime_arguments(engine, no_effect_note=_NO_EFFECT)
+    flags.add_admission_arguments(parser.add_argument_group("admission (the promise)"))
+    parser.set_defaults(out="sim-out", spawn=False)
     sim = parser.add_argument_group("simulation")
     sim.add_argument("--hardware", default="h100",
                      help="accelerator preset (h100, h200, a100, l4) for a roofline cost model, or a "
@@ -141,34 +128,36 @@ def cost_model_and_num_blocks(args: argparse.Namespace, spec: ModelSpec) -> tupl
     hardware = resolve_hardware(args.hardware)
     weights = weight_bytes_of(spec, args.dtype)
     if isinstance(hardware, LinearCostModel):
-        engine = dict(hardware.engine)
-        if args.kv_cache_memory is None and "num_blocks" in engine:
-            return hardware, engine["num_blocks"]
-        if args.kv_cache_memory is None:
-            raise ValueError("this profile records no KV cache size: give --kv-cache-memory")
-        if "kv_bytes_per_block" in engine:  # the profiled engine's KV dtype, not --kv-dtype
-            return hardware, max(1, parse_size(args.kv_cache_memory) // engine["kv_bytes_per_block"])
-        return hardware, _blocks(args, spec, parse_size(args.kv_cache_memory))
+        return hardware, _profiled_num_blocks(args, spec, dict(hardware.engine))
     model = RooflineCostModel(spec.config, hardware, weights / max(1, spec.config.num_parameters()),
-                              kv_math.dtype_bytes(args.kv_dtype), args.compute_efficiency,
+                              dtype_bytes(args.kv_dtype), args.compute_efficiency,
                               args.bandwidth_efficiency, args.step_overhead_ms / 1000.0)
     kv_bytes = parse_size(args.kv_cache_memory) if args.kv_cache_memory else \
         _kv_bytes_from_memory(args, hardware, weights)
-    return model, _blocks(args, spec, kv_bytes)
+    return model, num_kv_blocks(kv_bytes, spec.config, args.block_size, dtype_bytes(args.kv_dtype))
 
 
-def _blocks(args: argparse.Namespace, spec: ModelSpec, kv_bytes: int) -> int:
-    per_token = kv_math.kv_bytes_per_token(spec.config, kv_math.dtype_bytes(args.kv_dtype))
-    num_blocks = kv_bytes // (per_token * args.block_size)
+def _profiled_num_blocks(args: argparse.Namespace, spec: ModelSpec, engine: dict) -> int:
+    """Blocks of the engine a profile measured: its own count, or
+    --kv-cache-memory in its KV bytes per block (the profiled engine's dtype,
+    not --kv-dtype)."""
+    if args.kv_cache_memory is None:
+        if "num_blocks" not in engine:
+            raise ValueError("this profile records no KV cache size: give --kv-cache-memory")
+        return int(engine["num_blocks"])
+    kv_bytes = parse_size(args.kv_cache_memory)
+    if "kv_bytes_per_block" not in engine:
+        return num_kv_blocks(kv_bytes, spec.config, args.block_size, dtype_bytes(args.kv_dtype))
+    num_blocks = blocks_in(kv_bytes, int(engine["kv_bytes_per_block"]))
     if num_blocks < 1:
-        raise ValueError(f"{kv_bytes} bytes of KV cache hold no block of {args.block_size} tokens")
+        raise ValueError(f"a KV cache of {kv_bytes} bytes holds no block of the profiled engine "
+                         f"({engine['kv_bytes_per_block']} bytes)")
     return num_blocks
 
 
 def _kv_bytes_from_memory(args: argparse.Namespace, hardware: HardwareProfile, weights: int) -> int:
     memory = parse_size(args.memory) if args.memory else hardware.memory_bytes
-    reserve = str(args.reserve).strip()
-    fraction, extra = (float(reserve[:-1]) / 100, 0) if reserve.endswith("%") else (0.0, parse_size(reserve))
+    fraction, extra = kv_math.parse_reserve(args.reserve)
     budget = kv_math.memory_budget(memory, weights, fraction, extra)
     if not budget.fits:
         raise ValueError(f"weights ({weights / 2**30:.1f} GiB) and reserve exceed {hardware.name}'s "
@@ -183,7 +172,7 @@ def sim_config(args: argparse.Namespace, spec: ModelSpec, num_blocks: int) -> Si
     if args.autoscale_max_replicas is not None:
         autoscale = AutoscaleConfig(args.autoscale_max_replicas, args.autoscale_interval,
                                     args.cold_start, args.warm_pool, args.warm_start)
-    admission = None if args.no_admission else _admission_config(args)
+    admission = None if args.no_admission else flags.admission_config(args)
     return SimConfig(
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_model_len=max_model_len),
@@ -191,19 +180,6 @@ def sim_config(args: argparse.Namespace, spec: ModelSpec, num_blocks: int) -> Si
                           enable_prefix_caching=not args.no_prefix_caching),
         admission=admission, num_replicas=args.replicas, router=args.router, autoscale=autoscale,
         frontend_latency_s=args.frontend_latency_ms / 1000.0)
-
-
-def _admission_config(args: argparse.Namespace) -> AdmissionConfig:
-    """The server's own flags -> config mapping, with serve's defaults for
-    the flags simulate does not take (host, port, ...)."""
-    from kvserve.server import cli as serve_cli
-
-    serve_parser = argparse.ArgumentParser(add_help=False)
-    serve_cli.add_arguments(serve_parser)
-    merged = vars(serve_parser.parse_args([]))
-    merged.update({k: v for k, v in vars(args).items() if k in merged})
-    admission, _ = serve_cli.configs(argparse.Namespace(**merged), "sim")
-    return admission
 
 
 def report_rows_every(num_requests: int) -> int:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
+from kvserve.engine.cli import add_engine_arguments, engine_config, set_torch_threads
 from kvserve.sim.cost_model import StepShape, chunk_shape, fit_linear_cost_model, profile_json
 
 
@@ -57,17 +58,8 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="*.gguf file or Hugging Face folder (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="weight and activation dtype (as `kvserve serve --dtype`)")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--kv-cache-memory", default="1GiB",
-                        help="KV cache size with a unit, as the server you will simulate (e.g. 1GiB)")
-    parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (as serve)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
-                        help="token budget per step (as serve)")
+    # `kvserve serve`'s own engine flags: profile the engine you will simulate.
+    add_engine_arguments(parser.add_argument_group("model and engine (as kvserve serve)"))
     parser.add_argument("--tokens", type=_ints, default=_ints(",".join(map(str, DEFAULT_SWEEP_TOKENS))),
                         help="tokens per step of the sweep (one fresh prompt of each size; sizes above "
                              "--max-num-batched-tokens are skipped): the knots of the fitted token curve")
@@ -269,15 +261,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def profile(args: argparse.Namespace) -> dict:
-    from kvserve.engine.core import EngineConfig, EngineCore
+    from kvserve.engine.core import EngineCore
     from kvserve.model.loader import load_model
 
     grid = ProfileGrid(tuple(args.prefill_tokens), tuple(args.decode_batch), tuple(args.context),
                        args.repeats, args.time_budget, args.seed, tuple(args.tokens))
+    set_torch_threads(args.torch_threads)
     loaded = load_model(args.model)
-    config = EngineConfig.from_sizes(args.kv_cache_memory, dtype=args.dtype, block_size=args.block_size,
-                                     max_num_seqs=args.max_num_seqs, device=args.device,
-                                     max_num_batched_tokens=args.max_num_batched_tokens)
+    config = engine_config(args)
     core = EngineCore(loaded.config, loaded.weights, loaded.tokenizer, config)
     samples, jitter = time_engine_steps(core, grid)
     from kvserve.runner.model_runner import kv_bytes_per_block

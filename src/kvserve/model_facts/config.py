@@ -1,11 +1,13 @@
 """Architecture description of a decoder model, whatever file it came from.
 
-Field names follow Hugging Face's config.json so a folder's config maps 1:1;
-the GGUF loader fills the same fields from GGUF metadata.
+Field names follow Hugging Face's config.json so a folder's config maps 1:1
+(model_facts/hf_config.py); GGUF metadata fills the same fields
+(model_facts/gguf_metadata.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -13,8 +15,9 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
 class ModelLoadError(ValueError):
     """A model file or folder cannot be used; the message says what is wrong
-    and what is supported. Raised by the loader and tokenizer (lives here so
-    both can import it without importing each other)."""
+    and what is supported. Raised by the config readers, the tokenizer and
+    the weight loader (lives here so all can import it without importing
+    each other). A ValueError, so a CLI reports it as bad input."""
 
 
 @dataclass(frozen=True)
@@ -43,12 +46,20 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {self.architecture!r}; "
                 f"kvserve supports: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V for one token across all layers."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: float) -> int:
+        """K and V of one token in every layer: 2 x layers x KV heads x head
+        dim x bytes per element, rounded up to whole bytes. The one rule for
+        KV bytes: the runner's cache, `kvserve plan` and `kvserve simulate`
+        all size through it (model_facts/memory.py turns bytes into blocks)."""
+        elements = 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+        return int(math.ceil(elements * dtype_bytes))
 
     def num_parameters(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size

@@ -2,7 +2,8 @@
 
 One class serves both model sources: an HF folder's tokenizer.json is read
 as is; a GGUF's vocabulary, merges and token types are rebuilt here into the
-byte-level BPE that llama.cpp describes (`byte_level_bpe`).
+byte-level BPE that llama.cpp describes (`byte_level_bpe`). Loading one from
+a model path is `model_facts.source.load_tokenizer`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from kvserve.model.config import ModelLoadError
+from kvserve.model_facts.config import ModelLoadError
 
 # Split patterns for GGUF `tokenizer.ggml.pre` values: the regex the vocabulary's
 # merges were learned with. None = GPT-2's built-in ByteLevel regex.
@@ -144,14 +145,17 @@ class Tokenizer:
     # -- construction ---------------------------------------------------------
 
     @classmethod
-    def from_hf_folder(cls, folder: Path, *, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
-        """Read tokenizer.json and tokenizer_config.json (chat template, BOS/EOS).
-        `eos_token_ids` (from generation_config.json) come first; the
-        tokenizer's own eos token is appended."""
+    def from_hf_folder(cls, folder: Path, *, eos_token_ids: Sequence[int] = (),
+                       tokenizer_file: str = "tokenizer.json") -> Tokenizer:
+        """Read tokenizer.json (or `tokenizer_file`) and, where present,
+        tokenizer_config.json (chat template, BOS/EOS). `eos_token_ids` (from
+        generation_config.json) come first; the tokenizer's own eos token is
+        appended."""
+        path = folder / tokenizer_file
         try:
-            backend = BackendTokenizer.from_file(str(folder / "tokenizer.json"))
+            backend = BackendTokenizer.from_file(str(path))
         except Exception as e:  # the Rust side raises a bare Exception
-            raise ModelLoadError(f"{folder / 'tokenizer.json'}: not a valid tokenizer.json ({e})") from e
+            raise ModelLoadError(f"{path}: not a valid tokenizer.json ({e})") from e
         tok_config = _read_json_or_empty(folder / "tokenizer_config.json")
         _add_bos_if_configured(backend, tok_config)
         bos_id = _token_id(backend, tok_config.get("bos_token"))

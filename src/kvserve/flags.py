@@ -1,0 +1,119 @@
+"""The command-line flags several commands share, each defined once.
+
+`kvserve serve`, `kvserve profile` and `kvserve generate` run the engine;
+`kvserve simulate` runs the same scheduler and admission controller on a
+virtual clock. They take the same engine, KV cache and admission flags, from
+the groups below, with one default each: the defaults of the frozen configs
+in kvserve/config.py (`CacheConfig`, `SchedulerConfig`, `AdmissionConfig`)
+and `DEFAULT_KV_CACHE_MEMORY`. Only `admission_config` maps flags to a
+config here; flags -> `EngineConfig` is engine/cli.py's `engine_config`
+(the engine side, where torch may be imported).
+
+Torch-free and server-free: the simulator and planner import it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Protocol
+
+from kvserve.config import DEFAULT_KV_CACHE_MEMORY, AdmissionConfig, CacheConfig, SchedulerConfig
+
+
+class ArgumentTarget(Protocol):
+    """An ArgumentParser or one of its argument groups."""
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action: ...
+
+
+# The configs' own defaults are the flags' defaults (num_blocks has none:
+# it comes from --kv-cache-memory).
+_CACHE = CacheConfig(num_blocks=1)
+_SCHEDULER = SchedulerConfig()
+_ADMISSION = AdmissionConfig()
+DTYPES = ("float32", "bfloat16")
+DEFAULT_DTYPE = "float32"
+
+
+def add_model_arguments(group: ArgumentTarget) -> None:
+    """The model an engine loads and where it runs."""
+    group.add_argument("--model", default=None,
+                       help="a *.gguf file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
+    group.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES,
+                       help="weight, activation and KV cache dtype")
+    group.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+
+
+def add_block_size_argument(group: ArgumentTarget) -> None:
+    group.add_argument("--block-size", type=int, default=_CACHE.block_size,
+                       help="KV cache block size (tokens per block)")
+
+
+def add_kv_cache_arguments(group: ArgumentTarget, *, kv_cache_memory_default: str | None = DEFAULT_KV_CACHE_MEMORY,
+                           kv_cache_memory_default_text: str | None = None) -> None:
+    """The paged KV cache. `kv_cache_memory_default_text` says what a
+    command does without --kv-cache-memory when it has no fixed default."""
+    help_text = "KV cache size in bytes with a unit (e.g. 512MiB, 2GiB)"
+    if kv_cache_memory_default_text is not None:
+        help_text += f"; default: {kv_cache_memory_default_text}"
+    group.add_argument("--kv-cache-memory", default=kv_cache_memory_default, help=help_text)
+    add_block_size_argument(group)
+    group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+
+
+def add_batching_arguments(group: ArgumentTarget) -> None:
+    """What one engine step may hold."""
+    group.add_argument("--max-num-seqs", type=int, default=_SCHEDULER.max_num_seqs,
+                       help="most sequences in one engine step (sequences); admission may lower it")
+    group.add_argument("--max-num-batched-tokens", type=int, default=_SCHEDULER.max_num_batched_tokens,
+                       help="token budget of one forward pass (tokens)")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output (tokens; default: the model's context)")
+
+
+def add_runtime_arguments(group: ArgumentTarget, *, no_effect_note: str | None = None) -> None:
+    """How the forward pass runs on this machine. `no_effect_note` marks
+    them as accepted without effect (a simulation takes serve's flags as they are)."""
+    note = f" ({no_effect_note})" if no_effect_note else ""
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="run decode steps eagerly instead of replaying CUDA graphs (graphs are used on "
+                            "CUDA only; they cut a small model's decode step to its kernels' time)" + note)
+    group.add_argument("--torch-threads", type=int, default=None,
+                       help="torch intra-op CPU threads (default: torch's choice); on a small shared CPU, "
+                            "1 avoids oversubscription with the HTTP thread" + note)
+
+
+def add_admission_arguments(group: ArgumentTarget) -> None:
+    """The promise the front door defends and its limits (AdmissionConfig)."""
+    a = _ADMISSION
+    group.add_argument("--ttft-slo", type=float, default=a.ttft_slo_s, help="time-to-first-token target (seconds)")
+    group.add_argument("--tpot-slo", type=float, default=a.tpot_slo_s,
+                       help="time-per-output-token target (seconds); caps the running batch to keep it")
+    group.add_argument("--max-queue-wait", type=float, default=a.max_queue_wait_s,
+                       help="refuse (429 + Retry-After) when the expected queue wait exceeds this (seconds)")
+    group.add_argument("--deferred-max-queue-wait", type=float, default=a.deferred_max_queue_wait_s,
+                       help="the same limit for deferred classes: priority > 0 or service_tier=flex (seconds)")
+    group.add_argument("--queue-timeout", type=float, default=a.queue_timeout_s,
+                       help="abort with 503 an admitted request that has not started after this (seconds)")
+    group.add_argument("--max-queue-len", type=int, default=a.max_queue_len,
+                       help="most requests waiting to start (requests)")
+    group.add_argument("--default-max-tokens", type=int, default=a.default_max_tokens,
+                       help="max_tokens for requests that omit it, echoed in x-kvserve-max-tokens (tokens)")
+    group.add_argument("--require-max-tokens", "--strict", action="store_true",
+                       help="refuse (400) requests without max_tokens instead of applying the default")
+    group.add_argument("--retry-budget", type=float, default=a.retry_budget,
+                       help="retries allowed per admitted request (fraction; 0.1 = at most ~10%%)")
+    group.add_argument("--degrade-wait", type=float, default=a.degrade_wait_s,
+                       help="above this expected wait, cap max_tokens instead of refusing (seconds; off by default)")
+    group.add_argument("--degrade-max-tokens", type=int, default=a.degrade_max_tokens,
+                       help="the max_tokens cap applied when degrading (tokens)")
+
+
+def admission_config(args: argparse.Namespace) -> AdmissionConfig:
+    """The admission group's flags -> AdmissionConfig (validated there)."""
+    return AdmissionConfig(
+        max_queue_wait_s=args.max_queue_wait, deferred_max_queue_wait_s=args.deferred_max_queue_wait,
+        queue_timeout_s=args.queue_timeout, max_queue_len=args.max_queue_len,
+        default_max_tokens=args.default_max_tokens, require_max_tokens=args.require_max_tokens,
+        ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo, retry_budget=args.retry_budget,
+        degrade_wait_s=args.degrade_wait, degrade_max_tokens=args.degrade_max_tokens)

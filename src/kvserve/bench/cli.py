@@ -108,7 +108,7 @@ def add_workload_arguments(load) -> None:
                       help="'LOW,HIGH': cancel delay drawn uniformly, seconds after sending")
     load.add_argument("--seed", type=int, default=0, help="seed of every random source")
     load.add_argument("--tokenizer", default=None,
-                      help="local tokenizer.json or .gguf for exact prompt lengths; "
+                      help="local tokenizer.json, .gguf file or model folder for exact prompt lengths; "
                            "default: one common word per token (approximation, docs/bench.md)")
 
 

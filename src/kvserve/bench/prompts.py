@@ -1,7 +1,7 @@
 """Prompt text of a given token length, for the HTTP client only.
 
-With a tokenizer (a local tokenizer.json, or a GGUF file read through
-Hugging Face transformers) the text is cut at token level and re-checked
+With a tokenizer (a local tokenizer.json, GGUF file or model folder, read by
+model_facts/source.py as the server reads it) the text is cut at token level and re-checked
 until it encodes to exactly the target count (without special tokens; a chat
 template adds its own). Without one, the approximation is one common English
 word per token: each word below, with its leading space, is a single token in
@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvserve.bench.workload import RequestSpec
+
+if TYPE_CHECKING:
+    from kvserve.model_facts.tokenizer import Tokenizer
 
 _COMMON_WORDS = """
 the of and to in is that for it as was with be by on not he this are or his from at
@@ -39,31 +42,12 @@ class TextTokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
-class _HFTokenizers:
-    """A `tokenizers.Tokenizer` (tokenizer.json) without special tokens."""
+class _PromptTokenizer:
+    """A model's tokenizer counting and cutting text without special tokens
+    (a chat template or the server adds those)."""
 
-    def __init__(self, path: Path) -> None:
-        from tokenizers import Tokenizer
-
-        self._tok = Tokenizer.from_file(str(path))
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
-
-
-class _Transformers:
-    """A transformers tokenizer (used for GGUF files) without special tokens."""
-
-    def __init__(self, path: Path) -> None:
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as exc:
-            raise RuntimeError("reading a GGUF tokenizer needs `transformers`; "
-                               "pass a tokenizer.json instead") from exc
-        self._tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
@@ -73,11 +57,14 @@ class _Transformers:
 
 
 def load_tokenizer(path: str | Path) -> TextTokenizer:
-    """A tokenizer from a local tokenizer.json or .gguf file (never downloads)."""
+    """The tokenizer of a local tokenizer.json, .gguf file or model folder,
+    read by kvserve's one tokenizer loader (model_facts; never downloads)."""
+    from kvserve.model_facts.source import load_tokenizer as load_model_tokenizer  # tokenizers, jinja2
+
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"tokenizer file not found: {path}")
-    return _Transformers(path) if path.suffix == ".gguf" else _HFTokenizers(path)
+    return _PromptTokenizer(load_model_tokenizer(path))
 
 
 class PromptBuilder:

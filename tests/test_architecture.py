@@ -126,3 +126,40 @@ def test_the_rules_catch_what_they_forbid(tmp_path):
     assert import_graph.cycles(import_graph.package_graph(fake)) == [["plan", "sim"]]
     assert import_graph.external_imports(tmp_path / "src")["kvserve.sim.model"] == {"torch"}
     assert "kvserve.sim.model" in import_graph.reachable(fake, "kvserve.plan.cli")
+
+
+def _environment_reads(path: Path) -> set[str]:
+    """Names of the environment variables a module reads: os.environ.get(K),
+    os.environ[K], os.getenv(K), with K a string or a module-level constant."""
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    constants = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+                 and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+                 for t in n.targets if isinstance(t, ast.Name)}
+
+    def name(node: ast.expr) -> str:
+        if isinstance(node, ast.Constant):
+            return node.value
+        return constants[node.id]  # a KeyError names a read this helper cannot resolve
+
+    def is_environ(node: ast.expr) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "environ"
+
+    reads = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args and (
+                (node.func.attr == "get" and is_environ(node.func.value)) or node.func.attr == "getenv"):
+            reads.add(name(node.args[0]))
+        elif isinstance(node, ast.Subscript) and is_environ(node.value) and isinstance(node.ctx, ast.Load):
+            reads.add(name(node.slice))
+    return reads
+
+
+def test_every_environment_variable_kvserve_reads_is_documented():
+    readme = (ROOT / "README.md").read_text()
+    reads = {var: path.relative_to(PACKAGE).as_posix() for path in sorted(PACKAGE.rglob("*.py"))
+             for var in _environment_reads(path)}
+    assert {"KVSERVE_PURE_PYTHON", "KVSERVE_TORCH_ATTENTION"} <= set(reads)  # the helper finds them
+    missing = {var: module for var, module in reads.items() if f"`{var}" not in readme}
+    assert not missing, f"README.md's environment table lacks: {missing}"

@@ -7,11 +7,8 @@ import json
 
 import pytest
 
-pytest.importorskip("kvserve.server.app", reason="kvserve.server is not importable yet")
-pytest.importorskip("tests.server_helpers", reason="the live-server test helpers are missing")
-
-from kvserve import cli  # noqa: E402
-from tests.server_helpers import MODEL_NAME, live_server  # noqa: E402
+from kvserve import cli
+from tests.server_helpers import MODEL_NAME, live_server
 
 
 def _server_successes(report: dict) -> float:

@@ -2,16 +2,23 @@
 
 Tolerance: a scripted delay is a server-side sleep, so measured latencies can
 only come out later than scripted, by the loop wake-up and loopback time on
-both sides. We allow 2 ms early (clock reads) and 40 ms late (TIME_TOL_S): the
-test machine is a shared 2-core box where a process can lose the CPU for tens
-of ms. The scripted gaps are 100-700 ms, so a wrong definition (e.g. TPOT
-including the first token, ITL not split across a multi-token chunk) is off
-by far more than that.
+both sides. We allow 2 ms early (clock reads) and 40 ms late (TIME_TOL_S). The
+scripted gaps are 100-700 ms, so a wrong definition (e.g. TPOT including the
+first token, ITL not split across a multi-token chunk) is off by far more
+than that.
+
+The test machine is a shared 2-core box where a process can lose the CPU for
+tens of ms, which would make a measurement late without any error in it. The
+fake server and the client share one event loop, so a watcher on that loop
+sees every such stall (a late wake-up of its own 5 ms sleeps); a run that
+stalled for more than CALM_LAG_S is discarded and run again, so the
+assertions judge the client and never the machine's moment.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -22,6 +29,9 @@ from kvserve.bench.workload import RequestSpec
 
 TIME_TOL_S = 0.040
 EARLY_S = 0.002
+# A run whose loop stalled for longer than this is run again, up to MAX_RUNS.
+CALM_LAG_S = 0.020
+MAX_RUNS = 4
 
 SCRIPTS = {
     # TTFT 0.3 (0.1 queued + 0.2), then one token every 0.1 s: TPOT 0.1, E2E 0.6.
@@ -49,23 +59,45 @@ def _close(measured: float, scripted: float) -> bool:
     return scripted - EARLY_S <= measured <= scripted + TIME_TOL_S
 
 
+async def _max_loop_lag_s(stop: asyncio.Event, period_s: float = 0.005) -> float:
+    """How late this loop woke up for a `period_s` sleep, at most, until `stop`."""
+    worst = 0.0
+    while not stop.is_set():
+        start = time.perf_counter()
+        await asyncio.sleep(period_s)
+        worst = max(worst, time.perf_counter() - start - period_s)
+    return worst
+
+
+async def _scripted_run():
+    """One run of all scripted requests (each sent 50 ms apart) and the
+    longest stall of the loop they shared."""
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(_max_loop_lag_s(stop))
+    server = FakeOpenAIServer(lambda index, attempt: SCRIPTS[index])
+    url = await server.start()
+    specs = [RequestSpec(i, 8, 4, tenant="t" + str(i % 2), priority=i % 3,
+                         cancel_after_s=0.3 if i == 6 else None) for i in SCRIPTS]
+    config = ClientConfig(url, model="fake", timeout_s=1.0, metrics_interval_s=0.25)
+    result = await run_load(config, specs, lambda spec: "hello world",
+                            offsets_s=[0.05 * i for i in range(len(specs))])
+    await asyncio.sleep(0.1)  # let the server notice the disconnect
+    await server.stop()
+    stop.set()
+    return server, result, await watcher
+
+
 @pytest.fixture(scope="module")
 def run():
-    """One run of all scripted requests (each sent 50 ms apart)."""
-
-    async def main():
-        server = FakeOpenAIServer(lambda index, attempt: SCRIPTS[index])
-        url = await server.start()
-        specs = [RequestSpec(i, 8, 4, tenant="t" + str(i % 2), priority=i % 3,
-                             cancel_after_s=0.3 if i == 6 else None) for i in SCRIPTS]
-        config = ClientConfig(url, model="fake", timeout_s=1.0, metrics_interval_s=0.25)
-        result = await run_load(config, specs, lambda spec: "hello world",
-                                offsets_s=[0.05 * i for i in range(len(specs))])
-        await asyncio.sleep(0.1)  # let the server notice the disconnect
-        await server.stop()
-        return server, result
-
-    server, result = asyncio.run(main())
+    lags = []
+    for _ in range(MAX_RUNS):
+        server, result, lag_s = asyncio.run(_scripted_run())
+        lags.append(lag_s)
+        if lag_s <= CALM_LAG_S:
+            break
+    else:
+        pytest.fail(f"the machine stalled the event loop in every run (worst lags {lags} s > "
+                    f"{CALM_LAG_S} s): no run to judge the client by")
     report = build_report(result.records, SLO_UNDER_TEST, metrics_samples=result.metrics_samples,
                           client_stats=result.client_stats)
     return server, result, report

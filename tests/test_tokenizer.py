@@ -9,11 +9,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a model hub
 
+import transformers  # noqa: E402
+
 from kvserve.model_facts.default_model import default_model_path  # noqa: E402
 from kvserve.model_facts.source import load_tokenizer  # noqa: E402
 from kvserve.model_facts.tokenizer import Tokenizer  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
 
 TEXTS = [
     "Hello, world!",

@@ -142,13 +142,17 @@ class AdmissionConfig:
 class ServerConfig:
     """The HTTP face: where it listens and how it treats slow or leaving clients.
 
-    stream_stall_timeout_s: a streaming client that reads nothing for this long
-      while output is pending is aborted, so a slow reader cannot hold KV.
+    stream_stall_timeout_s: a connection whose reader takes no response bytes
+      for this long while some are waiting is aborted (and its request with
+      it), so a silent client cannot hold a running slot and its KV.
     shutdown_grace_s: on SIGTERM, in-flight requests get this long to finish
       before they are aborted.
     max_body_bytes: larger request bodies get 413.
     warm_up: before /ready, time engine steps on throwaway requests so the
       admission controller's step-time fit exists before the first request.
+    auth_metrics_and_docs: with API keys, /metrics and the API docs
+      (/openapi.json, /docs, /redoc) need a key too; off by default, so
+      scrapers and schema tools work unchanged. /health and /ready never do.
     """
 
     host: str = "127.0.0.1"
@@ -159,6 +163,7 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0
     max_body_bytes: int = 4 * 2**20
     warm_up: bool = True
+    auth_metrics_and_docs: bool = False
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, f"port must be in 0..65535, got {self.port}")

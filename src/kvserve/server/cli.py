@@ -44,7 +44,12 @@ def _add_http_arguments(http: flags.ArgumentTarget) -> None:
                       help="JSON file mapping API key -> {tenant, max_concurrent, tokens_per_minute, "
                            "priority}; without it there is one default tenant and no auth")
     http.add_argument("--stream-stall-timeout", type=float, default=defaults.stream_stall_timeout_s,
-                      help="abort a streaming request whose client reads nothing for this long (seconds)")
+                      help="abort a request whose client took no response bytes for this long while some "
+                           "were waiting, freeing its KV (seconds)")
+    http.add_argument("--auth-metrics-and-docs", action="store_true",
+                      help="with --api-keys, require a key on /metrics and the API docs (/openapi.json, "
+                           "/docs, /redoc) too (default: off, they stay open for scrapers and schema tools; "
+                           "/health and /ready are always open)")
     http.add_argument("--shutdown-grace", type=float, default=defaults.shutdown_grace_s,
                       help="on SIGTERM, time in-flight requests get to finish before abort (seconds)")
     http.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
@@ -65,7 +70,8 @@ def configs(args: argparse.Namespace, served_model_name: str) -> tuple[Admission
     server = ServerConfig(
         host=args.host, port=args.port, served_model_name=served_model_name, api_keys_path=args.api_keys,
         stream_stall_timeout_s=args.stream_stall_timeout, shutdown_grace_s=args.shutdown_grace,
-        max_body_bytes=args.max_body_bytes, warm_up=args.warm_up)
+        max_body_bytes=args.max_body_bytes, warm_up=args.warm_up,
+        auth_metrics_and_docs=args.auth_metrics_and_docs)
     return flags.admission_config(args), server
 
 

@@ -1,20 +1,29 @@
 """The OpenAI wire format: request models (pydantic, only at this boundary),
 their translation to SamplingParams, and the response / SSE chunk shapes.
 
-Unknown fields are accepted and ignored, as OpenAI's own server and vLLM do,
-so clients that send newer fields keep working; fields we cannot honour
-(n > 1, echo, best_of, tools, logit_bias, penalties) are refused with 400
-rather than silently ignored.
+Unknown fields are accepted and ignored, as vLLM does, so clients that send
+newer fields keep working; fields we cannot honour (n > 1, echo, best_of,
+tools, logit_bias, penalties) are refused with 400 rather than silently
+ignored.
+
+Known fields are typed as strictly as OpenAI's API types them: an integer
+field takes a JSON integer only (not "64", true or 64.0), a boolean field a
+JSON boolean only, a number field an integer or a finite float (not a
+string, NaN or Infinity). Every string field must be text that UTF-8 can
+encode: JSON may spell a lone UTF-16 surrogate (`"\\udfff"`), which no
+tokenizer, log line or response can carry, so it is a 400 naming the field.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from kvserve.contract import InvalidParameter, SamplingParams
 
@@ -22,31 +31,50 @@ from kvserve.contract import InvalidParameter, SamplingParams
 # lane one class below the request's own priority.
 FLEX_PRIORITY_OFFSET = 1
 MAX_TEMPERATURE = 100.0
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+def _encodable_text(value: str) -> str:
+    match = _LONE_SURROGATE.search(value)
+    if match is not None:
+        raise PydanticCustomError(
+            "invalid_text", "must be valid Unicode text; it holds a lone UTF-16 surrogate "
+                            "({code}) at character {position}",
+            {"code": f"U+{ord(match.group()):04X}", "position": match.start()})
+    return value
+
+
+# A string field: text that UTF-8 can encode.
+Text = Annotated[str, AfterValidator(_encodable_text)]
+
+
+class _WireModel(BaseModel):
+    # strict: no coercion ("64" -> 64, 1 -> True); ints are still accepted
+    # for float fields, as OpenAI accepts them.
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_WireModel):
     include_usage: bool | None = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_WireModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = Field(default=None, description="Most tokens to generate.")
     temperature: float | None = None
     top_p: float | None = None
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    service_tier: str | None = None
+    logit_bias: dict[Text, float] | None = None
+    user: Text | None = None
+    service_tier: Text | None = None
     # vLLM extensions that benchmark clients send.
     top_k: int | None = None
     min_tokens: int | None = None
@@ -56,24 +84,22 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = False
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
+class TextPart(_WireModel):
+    type: Text
+    text: Text | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+class ChatMessage(_WireModel):
+    role: Text
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -82,7 +108,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: dict[Text, Any] | None = None
 
 
 def requested_max_tokens(body: _SamplingFields) -> int | None:

@@ -1,15 +1,19 @@
-"""HTTP routes: thin; each hands its validated body to `Serving`."""
+"""HTTP routes: thin; each hands its validated body to `Serving`. The
+caller's Tenant comes from RequireKey (server/middleware.py), which has
+authenticated the request before its body was read."""
 
 from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter, Header, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.metrics import CONTENT_TYPE_LATEST
+from kvserve.server.middleware import TENANT_STATE
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.serving import APIError, Serving
+from kvserve.server.tenants import Tenant
 
 router = APIRouter()
 _ERRORS = {
@@ -26,26 +30,23 @@ def _serving(request: Request) -> Serving:
     return request.app.state.serving
 
 
+def _tenant(request: Request) -> Tenant:
+    return getattr(request.state, TENANT_STATE)
+
+
 @router.post("/v1/completions", responses=_ERRORS)
-async def completions(body: CompletionRequest, request: Request,
-                      authorization: str | None = Header(default=None)):
-    serving = _serving(request)
-    tenant = serving.authenticate(authorization)
-    return await serving.create("completion", body, tenant, request.headers, request)
+async def completions(body: CompletionRequest, request: Request):
+    return await _serving(request).create("completion", body, _tenant(request), request.headers, request)
 
 
 @router.post("/v1/chat/completions", responses=_ERRORS)
-async def chat_completions(body: ChatCompletionRequest, request: Request,
-                           authorization: str | None = Header(default=None)):
-    serving = _serving(request)
-    tenant = serving.authenticate(authorization)
-    return await serving.create("chat", body, tenant, request.headers, request)
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    return await _serving(request).create("chat", body, _tenant(request), request.headers, request)
 
 
-@router.get("/v1/models")
-async def models(request: Request, authorization: str | None = Header(default=None)):
+@router.get("/v1/models", responses={401: _ERRORS[401]})
+async def models(request: Request):
     serving = _serving(request)
-    serving.authenticate(authorization)
     card = {"id": serving.model_name, "object": "model", "created": int(time.time()),
             "owned_by": "kvserve", "max_model_len": serving.max_model_len,
             "root": serving.versions.model_revision}

@@ -19,6 +19,7 @@ from kvserve.model_facts.tokenizer import Tokenizer
 from kvserve.server.app import create_app
 from kvserve.server.serving import Serving
 from kvserve.server.tenants import TenantDirectory
+from kvserve.server.transport import ConnectionLimits, uvicorn_config
 from tests.tiny_models import model_config_of, tiny_llama, weights_of
 
 MODEL_NAME = "tiny"
@@ -71,12 +72,14 @@ def slow_steps(core: EngineCore, delay_s: float) -> EngineCore:
 
 
 class LiveServer:
-    """uvicorn on 127.0.0.1:<free port> in a thread; use as a context manager."""
+    """uvicorn on 127.0.0.1:<free port> in a thread, set up as `kvserve serve`
+    sets it up (bounded, watched connections); use as a context manager."""
 
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
-        config = uvicorn.Config(create_app(serving), host="127.0.0.1", port=0, log_level="warning",
-                                lifespan="on", timeout_graceful_shutdown=2)
+        config = uvicorn_config(create_app(serving), "127.0.0.1", 0,
+                                ConnectionLimits(serving.config.stream_stall_timeout_s),
+                                log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

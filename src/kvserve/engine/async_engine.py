@@ -80,19 +80,17 @@ class StepReport:
 @dataclass
 class RequestStream:
     """One request's outputs, read on the event loop. The buffer holds at
-    most the request's own outputs (bounded by max_tokens); a consumer that
-    stops reading is caught by the stall watchdog, not by blocking the engine."""
+    most the request's own outputs (bounded by max_tokens); a client that
+    stops reading is caught at its connection (server/transport.py), not by
+    blocking the engine."""
 
     request_id: str
     items: asyncio.Queue = field(default_factory=asyncio.Queue)
-    last_progress: float = field(default_factory=time.monotonic)
     finished: Finished | None = None
 
     async def next(self) -> object:
         """The next RequestOutput, or the Finished record that ends the stream."""
-        item = await self.items.get()
-        self.last_progress = time.monotonic()
-        return item
+        return await self.items.get()
 
     def ready(self) -> list:
         """Every item already delivered, without waiting (possibly none):
@@ -100,13 +98,9 @@ class RequestStream:
         items = []
         while not self.items.empty():
             items.append(self.items.get_nowait())
-        if items:
-            self.last_progress = time.monotonic()
         return items
 
     def _put(self, item: object) -> None:
-        if self.items.empty():
-            self.last_progress = time.monotonic()  # a stall counts from the first unread item
         self.items.put_nowait(item)
 
 
@@ -211,11 +205,6 @@ class AsyncEngine:
     @property
     def num_streams(self) -> int:
         return len(self.streams)
-
-    def stalled(self, now: float, timeout_s: float) -> list[str]:
-        """Streams whose reader took nothing for `timeout_s` while output waited."""
-        return [rid for rid, s in self.streams.items()
-                if s.finished is None and not s.items.empty() and now - s.last_progress > timeout_s]
 
     async def stop(self) -> None:
         """Stop the engine thread (callers drain or abort requests first)."""

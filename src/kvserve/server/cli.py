@@ -109,9 +109,11 @@ def serve(serving, gil_switch_interval_s: float | None = None) -> int:
     if gil_switch_interval_s is not None:
         sys.setswitchinterval(gil_switch_interval_s)
     from kvserve.server.app import create_app
+    from kvserve.server.transport import ConnectionLimits, uvicorn_config
 
     app = create_app(serving)
-    config = uvicorn.Config(app, host=serving.config.host, port=serving.config.port,
+    config = uvicorn_config(app, serving.config.host, serving.config.port,
+                            ConnectionLimits(serving.config.stream_stall_timeout_s),
                             log_level="warning", timeout_graceful_shutdown=5)
     server = DrainingServer(config, serving)
     # Server.run, not asyncio.run(server.serve()): it builds the loop from the

@@ -26,6 +26,7 @@ from kvserve.metrics import ServerMetrics
 from kvserve.scheduler.admission import MIN_FIT_STEPS, AdmissionController, AdmissionRequest, StepLimits
 from kvserve.server import protocol
 from kvserve.server.tenants import Tenant, TenantDirectory
+from kvserve.server.transport import reader_stalled
 
 log = logging.getLogger(__name__)
 
@@ -170,14 +171,13 @@ class Serving:
         return self.started and not self.draining and self.engine.dead is None
 
     async def _watch(self) -> None:
-        """Abort requests that did not start in time and readers that stall."""
+        """Abort requests that did not start in time. (Stalled readers are
+        caught per connection, in server/transport.py.)"""
         while True:
             await asyncio.sleep(WATCHDOG_PERIOD_S)
             try:
                 for rid, reason in self.admission.expired():
                     self.engine.abort(rid, reason)
-                for rid in self.engine.stalled(time.monotonic(), self.config.stream_stall_timeout_s):
-                    self.engine.abort(rid, "stalled")
             except Exception:
                 log.exception("watchdog failed")
 
@@ -255,7 +255,7 @@ class Serving:
             raise self._ended_without_output(first)
         if prepared.stream:
             watcher.cancel()
-            events = self._sse(shape, stream, first, prepared)
+            events = self._sse(shape, stream, first, prepared, http_request)
             return StreamingResponse(events, media_type="text/event-stream", headers=response_headers)
         try:
             body_json = await self._collect(shape, stream, first, prepared)
@@ -500,7 +500,7 @@ class Serving:
         return shape.full(text, reason, logprobs,
                           protocol.usage(len(p.prompt_token_ids), num_out, _cached(last)))
 
-    async def _sse(self, shape, stream: RequestStream, first, p: _Prepared) -> AsyncIterator[str]:
+    async def _sse(self, shape, stream: RequestStream, first, p: _Prepared, http_request) -> AsyncIterator[str]:
         """One `data:` event per batch of outputs ready together: when the
         reader falls behind the engine (overload, a slow client), the tokens
         that piled up go out as one multi-token delta instead of one event
@@ -536,7 +536,8 @@ class Serving:
             yield protocol.SSE_DONE
         finally:
             if stream.finished is None:  # the client left (generator closed) before the end
-                self.engine.abort(p.request_id, "disconnect")
+                reason = "stalled" if reader_stalled(getattr(http_request, "scope", None)) else "disconnect"
+                self.engine.abort(p.request_id, reason)
 
 
 def _new_logprobs(output) -> list:

@@ -1,5 +1,5 @@
-"""SIGTERM: stop admitting (503, /ready false), let in-flight requests finish
-within the grace period, exit 0."""
+"""SIGTERM: stop admitting (503 with Retry-After, /ready false), let in-flight
+requests finish within the grace period, exit 0."""
 
 from __future__ import annotations
 
@@ -61,8 +61,11 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero():
         proc.send_signal(signal.SIGTERM)
         assert wait_until(lambda: not ready(), 5)
         refused = httpx.post(base + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2},
-                             timeout=5)
+                             headers={"x-request-id": "late-1"}, timeout=5)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        # Come back after the drain (20 s grace): no sooner, since this server admits nothing before.
+        assert 1 <= int(refused.headers["retry-after"]) <= 20
+        assert refused.headers["x-request-id"] == "late-1" and refused.headers["x-kvserve-model-revision"]
         client.join(60)
         assert result == {"status": 200, "finish": "length"}  # finished, not cut
         assert proc.wait(30) == 0

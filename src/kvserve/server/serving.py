@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -120,6 +121,7 @@ class Serving:
         self._watchdog: asyncio.Task | None = None
         self.started = False
         self.draining = False
+        self._drain_deadline = 0.0  # monotonic time the drain aborts what is left
 
     # ---- lifecycle ---------------------------------------------------------
 
@@ -152,7 +154,7 @@ class Serving:
         """Stop admitting; let in-flight requests finish for up to grace_s,
         then abort the rest (503 / finish_reason "abort")."""
         self.draining = True
-        deadline = time.monotonic() + grace_s
+        deadline = self._drain_deadline = time.monotonic() + grace_s
         while self.engine.num_streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for rid in list(self.engine.streams):
@@ -265,7 +267,10 @@ class Serving:
 
     def _refuse_if_unavailable(self) -> None:
         if self.draining:
-            raise APIError(503, "the server is shutting down", "unavailable", "shutting_down")
+            # Retry-After: this server will not admit anything before its drain ends.
+            retry_after_s = max(1, math.ceil(self._drain_deadline - time.monotonic()))
+            raise APIError(503, "the server is shutting down", "unavailable", "shutting_down",
+                           headers={"Retry-After": str(retry_after_s)})
         if self.engine.dead is not None:
             raise APIError(503, f"the engine failed: {self.engine.dead}", "unavailable", "engine_dead")
 

@@ -75,10 +75,10 @@ class LiveServer:
     """uvicorn on 127.0.0.1:<free port> in a thread, set up as `kvserve serve`
     sets it up (bounded, watched connections); use as a context manager."""
 
-    def __init__(self, serving: Serving) -> None:
+    def __init__(self, serving: Serving, limits: ConnectionLimits | None = None) -> None:
         self.serving = serving
-        config = uvicorn_config(create_app(serving), "127.0.0.1", 0,
-                                ConnectionLimits(serving.config.stream_stall_timeout_s),
+        limits = limits or ConnectionLimits(serving.config.stream_stall_timeout_s)
+        config = uvicorn_config(create_app(serving), "127.0.0.1", 0, limits,
                                 log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -45,7 +45,8 @@ WARM_UP_MIN_STEPS = MIN_FIT_STEPS + 4
 
 
 class APIError(Exception):
-    """An OpenAI-shaped error with an honest status."""
+    """An OpenAI-shaped error with an honest status (rendered by
+    server/errors.py, whose responses always encode)."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  code: str | None = None, param: str | None = None,
@@ -53,10 +54,6 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
         self.headers = headers or {}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(protocol.error_body(self.message, self.type, self.code, self.param),
-                            status_code=self.status, headers=self.headers)
 
 
 def bad_request(exc: InvalidParameter) -> APIError:

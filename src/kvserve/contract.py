@@ -7,6 +7,9 @@ injected clock).
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 from types import SimpleNamespace
@@ -20,6 +23,16 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
+# logit_bias: OpenAI's range per token, and a bound on the entries (each one is
+# added to its row every step).
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+# OpenAI's range for presence_penalty and frequency_penalty.
+MAX_OPENAI_PENALTY = 2.0
+# A structured-output spec is compiled into a grammar: bound its size so one
+# request cannot claim a compile worker for long.
+MAX_STRUCTURED_SPEC_CHARS = 100_000
+MAX_CHOICES = 1024
 
 
 class RequestStatus(IntEnum):
@@ -50,6 +63,83 @@ def finish_reason(status: RequestStatus) -> str | None:
     return FINISH_REASONS.get(status)
 
 
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@mypyc_attr(native_class=False)
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output, enforced token by token while decoding
+    (vLLM's `structured_outputs`; OpenAI's `response_format` maps onto it):
+
+    - `json`: `spec` is a JSON Schema (a dict, or its JSON text);
+    - `json_object`: any JSON object (`spec` unused);
+    - `regex`: `spec` is a regular expression the whole output matches;
+    - `choice`: `spec` is a list of strings, the output is exactly one of them;
+    - `grammar`: `spec` is a context-free grammar (Lark, or llama.cpp's GBNF).
+
+    Validated here for shape only (types, sizes, JSON that parses); whether
+    the grammar engine can enforce it is checked when it is compiled
+    (kvserve.structured), which raises InvalidParameter naming the problem.
+    `spec` is stored canonical (a JSON Schema as compact JSON text, choices as
+    a tuple), so equal constraints have equal `hash`.
+    """
+
+    kind: str
+    spec: Any = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "spec", _canonical_spec(self.kind, self.spec))
+
+    @property
+    def hash(self) -> str:
+        """sha256 of kind and canonical spec: the compile cache key and the
+        schema hash in the versions."""
+        text = json.dumps([self.kind, self.spec], ensure_ascii=False, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _canonical_spec(kind: Any, spec: Any) -> Any:
+    _require(kind in STRUCTURED_OUTPUT_KINDS, "structured_output",
+             f"kind must be one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, got {kind!r}")
+    if kind == "json_object":
+        return None
+    if kind == "json":
+        return _canonical_schema(spec)
+    if kind == "choice":
+        _require(isinstance(spec, (list, tuple)) and 0 < len(spec) <= MAX_CHOICES, "structured_output",
+                 f"choice needs a list of 1..{MAX_CHOICES} strings")
+        _require(all(isinstance(c, str) and c for c in spec), "structured_output",
+                 "each choice must be a non-empty string")
+        _require(sum(len(c) for c in spec) <= MAX_STRUCTURED_SPEC_CHARS, "structured_output",
+                 f"choices total more than {MAX_STRUCTURED_SPEC_CHARS} characters")
+        return tuple(spec)
+    _require(isinstance(spec, str) and 0 < len(spec) <= MAX_STRUCTURED_SPEC_CHARS, "structured_output",
+             f"{kind} must be a string of 1..{MAX_STRUCTURED_SPEC_CHARS} characters")
+    return spec
+
+
+def _canonical_schema(spec: Any) -> str:
+    """A JSON Schema as compact JSON text. Key order is kept: it is the order
+    the properties are generated in, so it is part of the constraint."""
+    if isinstance(spec, str):
+        _require(len(spec) <= MAX_STRUCTURED_SPEC_CHARS, "structured_output",
+                 f"the JSON schema is longer than {MAX_STRUCTURED_SPEC_CHARS} characters")
+        try:
+            spec = json.loads(spec)
+        except ValueError as e:
+            raise InvalidParameter("structured_output", f"the JSON schema is not valid JSON: {e}") from None
+    _require(isinstance(spec, (dict, bool)), "structured_output",
+             f"the JSON schema must be an object, got {type(spec).__name__}")
+    try:
+        text = json.dumps(spec, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidParameter("structured_output", f"the JSON schema is not JSON: {e}") from None
+    _require(len(text) <= MAX_STRUCTURED_SPEC_CHARS, "structured_output",
+             f"the JSON schema is longer than {MAX_STRUCTURED_SPEC_CHARS} characters")
+    return text
+
+
 # A plain Python class also when kvserve is compiled (kvserve/compiled): it
 # takes whatever a caller passes (a list for a tuple, a string for an int)
 # and names the wrong field, where a compiled class would refuse the type
@@ -70,6 +160,16 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # top-N logprobs per output token
+    # OpenAI's penalties over the generated tokens: presence subtracts once per
+    # token that occurred, frequency once per occurrence.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's / Hugging Face's: over prompt and generated tokens, a seen token's
+    # logit is divided by it when positive, multiplied when negative; 1 = off.
+    repetition_penalty: float = 1.0
+    # token id -> bias added to its logit, in [-100, 100]; stored as sorted pairs.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # The fields as given, untyped: only the checks below make them what
@@ -79,9 +179,12 @@ class SamplingParams:
         # so the params stay hashable and immutable.
         given.stop = (given.stop,) if isinstance(given.stop, str) else tuple(given.stop or ())
         given.stop_token_ids = tuple(given.stop_token_ids or ())
+        given.logit_bias = _logit_bias_pairs(given.logit_bias)
         self._validate(given)
+        self._validate_penalties(given)
         object.__setattr__(self, "stop", given.stop)
         object.__setattr__(self, "stop_token_ids", given.stop_token_ids)
+        object.__setattr__(self, "logit_bias", given.logit_bias)
 
     @staticmethod
     def _validate(given: Any) -> None:
@@ -109,9 +212,38 @@ class SamplingParams:
         _require(given.logprobs is None or (_is_int(given.logprobs) and 0 <= given.logprobs <= MAX_LOGPROBS),
                  "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or null, got {given.logprobs!r}")
 
+    @staticmethod
+    def _validate_penalties(given: Any) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(given, name)
+            _require(_is_number(value) and -MAX_OPENAI_PENALTY <= value <= MAX_OPENAI_PENALTY, name,
+                     f"must be in [-{MAX_OPENAI_PENALTY:g}, {MAX_OPENAI_PENALTY:g}], got {value!r}")
+        _require(_is_number(given.repetition_penalty) and math.isfinite(given.repetition_penalty)
+                 and given.repetition_penalty > 0, "repetition_penalty",
+                 f"must be a finite number > 0 (1 disables), got {given.repetition_penalty!r}")
+        _require(len(given.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias",
+                 f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(given.logit_bias)}")
+        for token_id, bias in given.logit_bias:
+            _require(_is_int(token_id) and token_id >= 0, "logit_bias",
+                     f"keys must be non-negative token ids, got {token_id!r}")
+            _require(_is_number(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias",
+                     f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r} "
+                     f"for token {token_id}")
+        _require(given.structured_output is None or isinstance(given.structured_output, StructuredOutput),
+                 "structured_output", "must be a StructuredOutput or null")
+        # A stop string or stop token would end the output before the constraint
+        # completes, and "stop" would then name an output that does not parse.
+        _require(given.structured_output is None or not (given.stop or given.stop_token_ids), "stop",
+                 "cannot be combined with structured_output (the output ends when the constraint completes)")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
 
 class InvalidParameter(ValueError):
@@ -120,6 +252,21 @@ class InvalidParameter(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param} {message}")
         self.param = param
+
+
+def _logit_bias_pairs(bias: Any) -> tuple:
+    """A {token_id: bias} mapping (JSON's string keys accepted) or pairs, as
+    sorted (int, float) pairs; a key that is not an integer is left as is for
+    the validation to name."""
+    if not bias:
+        return ()
+    items = bias.items() if isinstance(bias, dict) else bias
+    pairs = []
+    for key, value in items:
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)
+        pairs.append((key, float(value) if _is_number(value) else value))
+    return tuple(sorted(pairs, key=lambda pair: (str(type(pair[0])), pair[0])))
 
 
 def _require(ok: bool, param: str, message: str) -> None:
@@ -138,16 +285,31 @@ def _is_number(value: object) -> bool:
 @dataclass(frozen=True)
 class ResolvedVersions:
     """What actually ran, so a trace links to it: model revision (sha256 of
-    the weights file or folder manifest), tokenizer hash, chat-template hash."""
+    the weights file or folder manifest), tokenizer hash, chat-template hash;
+    per request (`for_request`), the hash of its structured-output constraint,
+    and room for the tool-schema hash and the adapter's identity."""
 
     model_revision: str
     tokenizer_hash: str
     chat_template_hash: str
+    structured_output_hash: str | None = None  # StructuredOutput.hash
+    tool_schema_hash: str | None = None  # sha256 of the request's tool definitions
+    adapter_id: str | None = None  # e.g. a LoRA adapter's file hash
 
     @property
     def fingerprint(self) -> str:
-        """Short id for OpenAI's `system_fingerprint`."""
-        return f"fp_{self.model_revision[:8]}_{self.tokenizer_hash[:6]}_{self.chat_template_hash[:6]}"
+        """Short id for OpenAI's `system_fingerprint`; a request's own
+        versions (schema, tools, adapter) are appended when it has them."""
+        base = f"fp_{self.model_revision[:8]}_{self.tokenizer_hash[:6]}_{self.chat_template_hash[:6]}"
+        extras = (self.adapter_id, self.structured_output_hash, self.tool_schema_hash)
+        return "_".join([base, *(e[:6] for e in extras if e)])
+
+    def for_request(self, params: SamplingParams) -> ResolvedVersions:
+        """These versions plus what the request itself brings (its schema hash)."""
+        constraint = params.structured_output
+        return ResolvedVersions(self.model_revision, self.tokenizer_hash, self.chat_template_hash,
+                                structured_output_hash=None if constraint is None else constraint.hash,
+                                tool_schema_hash=self.tool_schema_hash, adapter_id=self.adapter_id)
 
 
 @dataclass

@@ -4,7 +4,9 @@ The core is synchronous and single-threaded: the offline `LLM` calls `step()`
 in a loop, the async server drives it from a background loop. It owns the
 scheduler (which requests run, KV blocks), the model runner (tensors, forward
 pass, sampling) and one incremental detokenizer per request (text deltas,
-stop strings).
+stop strings). A request with a structured-output constraint waits outside
+the scheduler until its grammar is compiled (on the compiler's worker
+thread), so a large schema delays only its own request.
 """
 
 from __future__ import annotations
@@ -12,19 +14,24 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import torch
 
 from kvserve.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig, SchedulerConfig, parse_size
-from kvserve.contract import Request, RequestStatus, ResolvedVersions, SamplingParams
+from kvserve.contract import InvalidParameter, Request, RequestStatus, ResolvedVersions, SamplingParams
 from kvserve.engine.outputs import RequestOutput
 from kvserve.model_facts.config import ModelConfig
 from kvserve.model.detokenizer import IncrementalDetokenizer
-from kvserve.model.sampler import SamplerOutput, TokenLogprob
+from kvserve.model.sampler import SamplerOutput, SamplingState, TokenLogprob
 from kvserve.model_facts.tokenizer import Tokenizer
 from kvserve.runner.model_runner import ModelRunner
 from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput
+from kvserve.structured import CompiledGrammar, GrammarCompiler
+
+# How long an idle step waits for a grammar compile before returning empty.
+COMPILE_WAIT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -56,13 +63,15 @@ class EngineConfig:
 class _RequestState:
     """Engine-side state of one unfinished request beside the scheduler's Request."""
 
-    __slots__ = ("request", "detokenizer", "logprobs")
+    __slots__ = ("request", "detokenizer", "logprobs", "sampling")
 
     def __init__(self, request: Request, detokenizer: IncrementalDetokenizer) -> None:
         self.request = request
         self.detokenizer = detokenizer
         wants_logprobs = request.sampling_params.logprobs is not None
         self.logprobs: list[TokenLogprob] | None = [] if wants_logprobs else None
+        # Grammar matcher and penalty counts, for requests that need them.
+        self.sampling: SamplingState | None = None
 
 
 class EngineCore:
@@ -89,6 +98,13 @@ class EngineCore:
         self.cache_namespace = versions.model_revision if versions is not None else ""
         self.eos_token_ids = tokenizer.eos_token_ids
         self._states: dict[str, _RequestState] = {}
+        # The subset of running requests that the sampler keeps state for.
+        self._sampling_states: dict[str, SamplingState] = {}
+        # Requests whose grammar is still compiling: not yet in the scheduler.
+        self._compiling: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
+        # Structured outputs: compiled off the engine thread, cached per schema.
+        # The server may `submit` a request's constraint before adding it.
+        self.structured = GrammarCompiler(tokenizer, model_config.vocab_size)
         self._ids = itertools.count()
         # The latest step's batch: its shape (decode sequences, prefill
         # tokens) feeds the server's step-time model.
@@ -110,13 +126,56 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ValueError (engine unchanged) if its prompt has
-        token ids outside the vocabulary or cannot fit the model's context."""
+        token ids outside the vocabulary or cannot fit the model's context, and
+        InvalidParameter if its constraint is known not to compile. A request
+        whose grammar is still compiling is queued once it is compiled; should
+        that compile fail, the request finishes as aborted."""
         self.check_prompt(request.prompt_token_ids)
-        self.scheduler.add_request(request)
         params = request.sampling_params
-        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop,
-                                             skip_special_tokens=True)
-        self._states[request.request_id] = _RequestState(request, detokenizer)
+        vocab_size = self.model_config.vocab_size
+        if any(t >= vocab_size for t, _ in params.logit_bias):
+            raise InvalidParameter("logit_bias", f"keys must be token ids in [0, {vocab_size})")
+        state = _RequestState(request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                              params.stop, skip_special_tokens=True))
+        grammar = None if params.structured_output is None else self.structured.submit(params.structured_output)
+        if grammar is not None and not grammar.done():
+            self._states[request.request_id] = state
+            self._compiling[request.request_id] = (request, grammar)
+            return
+        self._start(state, grammar)  # raises InvalidParameter for a failed compile
+
+    def _start(self, state: _RequestState, grammar: Future[CompiledGrammar] | None) -> None:
+        """Hand a request to the scheduler with its sampling state (grammar: a done future)."""
+        request = state.request
+        if grammar is not None or SamplingState.needed(request):
+            state.sampling = SamplingState(None if grammar is None else grammar.result().matcher())
+        self.scheduler.add_request(request)
+        self._states[request.request_id] = state
+        if state.sampling is not None:
+            self._sampling_states[request.request_id] = state.sampling
+
+    def _start_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar finished compiling; a failed compile
+        finishes its request as aborted (its output says so)."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_unfinished():
+            # Nothing else to run: wait a little for a compile instead of spinning.
+            wait([future for _, future in self._compiling.values()], COMPILE_WAIT_S, FIRST_COMPLETED)
+        failed = []
+        for request_id, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            state = self._states[request_id]
+            try:
+                self._start(state, future)
+            except InvalidParameter:
+                del self._states[request_id]
+                request.status = RequestStatus.FINISHED_ABORTED
+                request.timestamps.finished = self.clock()
+                failed.append(self._output(state, [], [], ""))
+        return failed
 
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
         num_tokens = len(prompt_token_ids)
@@ -129,30 +188,40 @@ class EngineCore:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish a request now and free its KV; its final output, or None if unknown."""
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None:
+            compiling[0].status = RequestStatus.FINISHED_ABORTED
+            compiling[0].timestamps.finished = self.clock()
+            return self._output(self._states.pop(request_id), [], [], "")
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
-        return self._output(self._states.pop(request_id), [], [], "")
+        return self._output(self._pop_state(request_id), [], [], "")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
+
+    def _pop_state(self, request_id: str) -> _RequestState:
+        self._sampling_states.pop(request_id, None)
+        return self._states.pop(request_id)
 
     # -- the step ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one forward pass; outputs for every request that got a token or finished."""
+        failed = self._start_compiled()
         scheduled = self.scheduler.schedule()
         captures = self.runner.num_graph_captures
-        sampled = self.runner.execute(scheduled)
+        sampled = self.runner.execute(scheduled, self._sampling_states)
         self.last_scheduled = scheduled
         self.last_step_captured = self.runner.num_graph_captures != captures
-        return self._process(scheduled, sampled)
+        return failed + self._process(scheduled, sampled)
 
     def _process(self, scheduled: SchedulerOutput, sampled: SamplerOutput) -> list[RequestOutput]:
         progressed = self.scheduler.update(scheduled, sampled.token_ids)
         # Finished while scheduling (outgrew the whole KV cache): report with held-back text.
         outputs = []
         for request in scheduled.finished:
-            state = self._states.pop(request.request_id)
+            state = self._pop_state(request.request_id)
             outputs.append(self._output(state, [], [], state.detokenizer.flush()))
         for request in progressed:
             token_id = request.output_token_ids[-1]
@@ -161,6 +230,8 @@ class EngineCore:
 
     def _emit(self, request: Request, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
         state = self._states[request.request_id]
+        if state.sampling is not None and state.sampling.grammar is not None:
+            self._advance_grammar(request, state.sampling, token_id)
         delta = state.detokenizer.push(token_id)
         new_text = delta.new_text
         if delta.stopped and request.is_finished:
@@ -174,9 +245,25 @@ class EngineCore:
         if state.logprobs is not None and logprob is not None:
             state.logprobs.append(logprob)
         if request.is_finished:
-            del self._states[request.request_id]
+            self._pop_state(request.request_id)
         new_logprobs = [logprob] if state.logprobs is not None and logprob is not None else []
         return self._output(state, [token_id], new_logprobs, new_text)
+
+    def _advance_grammar(self, request: Request, sampling: SamplingState, token_id: int) -> None:
+        """Advance the constraint by the sampled token; once the constraint is
+        complete the request finishes with "stop" (its output then parses)."""
+        assert sampling.grammar is not None
+        accepted = sampling.grammar.accept(token_id)
+        if request.is_finished:
+            if accepted and sampling.grammar.is_finished and request.status == RequestStatus.FINISHED_LENGTH:
+                request.status = RequestStatus.FINISHED_STOPPED  # its last token completed the constraint
+            return
+        if not accepted:
+            # The mask allowed only grammar tokens, so this is the grammar
+            # engine's fault; never call such an output "stop".
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
+        elif sampling.grammar.is_finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     @staticmethod
     def _output(state: _RequestState, new_token_ids: list[int], new_logprobs: list[TokenLogprob],

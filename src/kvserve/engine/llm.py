@@ -68,6 +68,11 @@ class LLM:
 
     def _run(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
         engine = self.engine
+        # Compile every constraint first: a bad one raises InvalidParameter
+        # before anything is queued.
+        compiles = [engine.structured.submit(p.structured_output) for p in params if p.structured_output]
+        for future in compiles:
+            future.result()
         requests = [engine.new_request(ids, p) for ids, p in zip(prompt_ids, params)]
         added = []
         try:

@@ -1,5 +1,12 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeds,
-min_tokens and top-N logprobs, for the rows of one step's logits.
+min_tokens, top-N logprobs, structured-output masks, logit_bias and the
+presence / frequency / repetition penalties, for the rows of one step's logits.
+
+Each step's logits go through, in vLLM's order: grammar mask (a constrained
+request's allowed next tokens), min_tokens, logit_bias, penalties, then
+temperature, top-k/top-p and the draw. Logprobs are of the raw logits, before
+any of it (vLLM's default). Rows of requests without a `SamplingState` (no
+constraint, bias or penalty) skip all of that for the cost of a dict lookup.
 
 Random rows sample by an exponential race: argmax(probs / E) with E ~ Exp(1)
 drawn from that request's own generator, which picks token i with
@@ -11,14 +18,16 @@ sampler's generator; the global RNG is never touched.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from kvserve.contract import Request
 from kvserve.model.device import resolve_device
+from kvserve.structured import GrammarMatcher, bitmask_words, fill_next_token_bitmasks
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio odd constant: spreads (seed, position) pairs apart
 _SEED_MASK = (1 << 63) - 1
@@ -42,16 +51,71 @@ class SamplerOutput:
     logprobs: dict[str, TokenLogprob]
 
 
+class SamplingState:
+    """What one request's sampling carries from step to step, kept by the
+    engine beside the request: its grammar matcher, and the token counts its
+    penalties read, updated incrementally (only the tokens added since the
+    last step are counted) on the logits' device."""
+
+    __slots__ = ("grammar", "_counts", "_num_counted", "_prompt_seen", "_bias_ids", "_bias_values")
+
+    def __init__(self, grammar: GrammarMatcher | None = None) -> None:
+        self.grammar = grammar
+        self._counts: Tensor | None = None  # [V] float32: occurrences in the output
+        self._num_counted = 0  # output tokens already in _counts
+        self._prompt_seen: Tensor | None = None  # [V] bool: in the prompt
+        self._bias_ids: Tensor | None = None
+        self._bias_values: Tensor | None = None
+
+    @staticmethod
+    def needed(request: Request) -> bool:
+        params = request.sampling_params
+        return params.structured_output is not None or params.has_penalties or bool(params.logit_bias)
+
+    def output_counts(self, request: Request, vocab_size: int, device: torch.device) -> Tensor:
+        if self._counts is None:
+            self._counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        new = request.output_token_ids[self._num_counted:]
+        if new:
+            ids = torch.tensor(new, dtype=torch.long, device=device)
+            self._counts.index_put_((ids,), torch.ones(len(new), device=device), accumulate=True)
+            self._num_counted += len(new)
+        return self._counts
+
+    def prompt_seen(self, request: Request, vocab_size: int, device: torch.device) -> Tensor:
+        if self._prompt_seen is None:
+            ids = torch.tensor(request.prompt_token_ids, dtype=torch.long, device=device)
+            self._prompt_seen = torch.zeros(vocab_size, dtype=torch.bool, device=device).index_fill_(0, ids, True)
+        return self._prompt_seen
+
+    def bias(self, request: Request, device: torch.device) -> tuple[Tensor, Tensor]:
+        if self._bias_ids is None:
+            pairs = request.sampling_params.logit_bias
+            self._bias_ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=device)
+            self._bias_values = torch.tensor([b for _, b in pairs], dtype=torch.float32, device=device)
+        assert self._bias_values is not None
+        return self._bias_ids, self._bias_values
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str | None = None) -> None:
         self.device = resolve_device(device)  # where the logits live
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        self._bit_shifts = torch.arange(32, dtype=torch.int32, device=self.device)
 
-    def sample(self, logits: Tensor, requests: Sequence[Request]) -> SamplerOutput:
-        """logits: [S, vocab] float32, row i belongs to requests[i]. May modify logits."""
+    def sample(self, logits: Tensor, requests: Sequence[Request],
+               states: Mapping[str, SamplingState] | None = None) -> SamplerOutput:
+        """logits: [S, vocab] float32, row i belongs to requests[i]; `states`:
+        request_id -> SamplingState for the requests that have one. May modify logits."""
         logprob_rows = self._logprob_rows(logits, requests)
+        stateful = [(i, states[r.request_id]) for i, r in enumerate(requests)
+                    if r.request_id in states] if states else []
+        self._apply_grammar_masks(logits, stateful)
         _mask_until_min_tokens(logits, requests)
+        if stateful:
+            self._apply_logit_bias(logits, requests, stateful)
+            self._apply_penalties(logits, requests, stateful)
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if random_rows:
@@ -61,6 +125,54 @@ class Sampler:
         sampled = {r.request_id: t for r, t in zip(requests, ids)}
         logprobs = {rid: _pick(row, num_top, sampled[rid]) for rid, (row, num_top) in logprob_rows.items()}
         return SamplerOutput(sampled, logprobs)
+
+    def _apply_grammar_masks(self, logits: Tensor, stateful: list[tuple[int, SamplingState]]) -> None:
+        """-inf for every token a constrained row's grammar does not allow next."""
+        constrained = [(i, s.grammar) for i, s in stateful if s.grammar is not None]
+        if not constrained:
+            return
+        vocab = logits.shape[-1]
+        bitmask = np.empty((len(constrained), bitmask_words(vocab)), dtype=np.int32)
+        fill_next_token_bitmasks([g for _, g in constrained], bitmask)
+        words = torch.from_numpy(bitmask).to(logits.device, non_blocking=True)
+        # [R, W] int32 -> [R, W * 32] bits, bit b of word w is token 32 * w + b.
+        allowed = ((words.unsqueeze(-1) >> self._bit_shifts) & 1).view(len(constrained), -1)[:, :vocab]
+        rows = torch.tensor([i for i, _ in constrained], device=logits.device)
+        logits[rows] = logits[rows].masked_fill_(allowed == 0, float("-inf"))
+
+    @staticmethod
+    def _apply_logit_bias(logits: Tensor, requests: Sequence[Request],
+                          stateful: list[tuple[int, SamplingState]]) -> None:
+        biased = [(i, s.bias(requests[i], logits.device)) for i, s in stateful
+                  if requests[i].sampling_params.logit_bias]
+        if not biased:
+            return
+        rows = torch.cat([torch.full_like(ids, i) for i, (ids, _) in biased])
+        ids = torch.cat([ids for _, (ids, _) in biased])
+        values = torch.cat([values for _, (_, values) in biased])
+        logits.index_put_((rows, ids), values, accumulate=True)
+
+    @staticmethod
+    def _apply_penalties(logits: Tensor, requests: Sequence[Request],
+                         stateful: list[tuple[int, SamplingState]]) -> None:
+        """Repetition (over prompt + output, Hugging Face's rule), then frequency
+        and presence (over the output, OpenAI's rule), vectorised over the rows."""
+        penalized = [(i, s) for i, s in stateful if requests[i].sampling_params.has_penalties]
+        if not penalized:
+            return
+        vocab, device = logits.shape[-1], logits.device
+        index = [i for i, _ in penalized]
+        params = [requests[i].sampling_params for i in index]
+        counts = torch.stack([s.output_counts(requests[i], vocab, device) for i, s in penalized])  # [R, V]
+        rows = torch.tensor(index, device=device)
+        sub = logits[rows]
+        repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        if any(p.repetition_penalty != 1 for p in params):
+            seen = torch.stack([s.prompt_seen(requests[i], vocab, device) for i, s in penalized]) | (counts > 0)
+            sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        logits[rows] = sub - frequency * counts - presence * (counts > 0)
 
     def _sample_random(self, logits: Tensor, requests: Sequence[Request]) -> Tensor:
         params = [r.sampling_params for r in requests]

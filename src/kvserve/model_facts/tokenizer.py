@@ -131,6 +131,11 @@ class Tokenizer:
 
     # -- identity -------------------------------------------------------------
 
+    def backend_json(self) -> str:
+        """The full tokenizer definition as tokenizer.json text (what grammar
+        engines read to map tokens to bytes)."""
+        return self._backend.to_str()
+
     def content_hash(self) -> str:
         """sha256 of the full tokenizer definition (vocab, merges, rules)."""
         return hashlib.sha256(self._backend.to_str().encode()).hexdigest()

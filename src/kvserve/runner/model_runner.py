@@ -5,7 +5,7 @@ step's SchedulerOutput into tensors (runner/step_batch.py) -> forward pass
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,7 +15,7 @@ from kvserve.model_facts import memory
 from kvserve.model_facts.config import ModelConfig
 from kvserve.model.device import resolve_device, resolve_dtype
 from kvserve.model.llama import LlamaModel
-from kvserve.model.sampler import Sampler, SamplerOutput
+from kvserve.model.sampler import Sampler, SamplerOutput, SamplingState
 from kvserve.runner.decode_graphs import DecodeGraphs
 from kvserve.runner.step_batch import build_step_batch
 
@@ -56,9 +56,12 @@ class ModelRunner:
             max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: "SchedulerOutput") -> SamplerOutput:
+    def execute(self, scheduler_output: "SchedulerOutput",
+                sampling_states: Mapping[str, SamplingState] | None = None) -> SamplerOutput:
         """Run one forward pass over the scheduled chunks; write their K/V into the
-        cache and sample one token for every chunk that reaches its request's end."""
+        cache and sample one token for every chunk that reaches its request's end.
+        `sampling_states`: request_id -> the sampler's per-request state (masks,
+        penalties, bias) for the requests that have one."""
         chunks = scheduler_output.chunks
         if not chunks:
             return SamplerOutput({}, {})
@@ -66,20 +69,22 @@ class ModelRunner:
             # Kernel launches, graph capture and replay go to the current
             # device's stream: make that this runner's device (e.g. cuda:1).
             with torch.cuda.device(self.device):
-                return self._execute(chunks)
-        return self._execute(chunks)
+                return self._execute(chunks, sampling_states)
+        return self._execute(chunks, sampling_states)
 
     @property
     def num_graph_captures(self) -> int:
         """CUDA graphs captured so far: a step that raised it paid a one-off capture."""
         return 0 if self.decode_graphs is None else self.decode_graphs.num_captured
 
-    def _execute(self, chunks: Sequence["ScheduledChunk"]) -> SamplerOutput:
+    def _execute(self, chunks: Sequence["ScheduledChunk"],
+                 sampling_states: Mapping[str, SamplingState] | None) -> SamplerOutput:
         if self.decode_graphs is not None and self.decode_graphs.accepts(chunks):
-            return self.sampler.sample(self.decode_graphs.run(chunks), [c.request for c in chunks])
+            return self.sampler.sample(self.decode_graphs.run(chunks), [c.request for c in chunks],
+                                       sampling_states)
         batch = build_step_batch(chunks, self.block_size, self.device)
         hidden = self.model.forward(batch.token_ids, self.kv_caches, batch.meta)
         if not batch.sample_requests:
             return SamplerOutput({}, {})
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
-        return self.sampler.sample(logits, batch.sample_requests)
+        return self.sampler.sample(logits, batch.sample_requests, sampling_states)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvserve.contract import Request, SamplingParams
-from kvserve.model.sampler import Sampler
+from kvserve.model.sampler import Sampler, SamplingState
 
 VOCAB = 16
 
@@ -123,3 +123,101 @@ def test_logprobs_are_of_the_raw_distribution_with_the_top_n():
 def test_requests_without_logprobs_get_none():
     out = Sampler(device="cpu").sample(torch.randn(1, VOCAB), [make_request("x")])
     assert out.logprobs == {}
+
+
+# -- logit_bias and penalties (SamplingState carries their per-request state) --
+
+def stateful(request_id: str, prompt: list[int], output: list[int], **params):
+    request = Request(request_id, list(prompt), SamplingParams(max_tokens=1000, **params), 0.0)
+    request.output_token_ids.extend(output)
+    return request, SamplingState()
+
+
+@pytest.fixture(scope="module")
+def tiny_model_logits():
+    """Real logits of a tiny random model (vocab 256) for a few prompts: [3, 256]."""
+    from tests.tiny_models import tiny_llama
+
+    model = tiny_llama(seed=11)
+    ids = torch.tensor([[3, 17, 17, 40, 9], [200, 1, 2, 3, 4], [9, 9, 9, 9, 9]])
+    with torch.no_grad():
+        return model(ids).logits[:, -1].float()
+
+
+def test_presence_and_frequency_penalties_match_the_openai_formula(tiny_model_logits):
+    logits = tiny_model_logits
+    outputs = [[5, 5, 7, 9], [], [9, 9, 9]]
+    params = [dict(presence_penalty=0.7, frequency_penalty=0.4), dict(frequency_penalty=1.5),
+              dict(presence_penalty=-0.5, frequency_penalty=-0.25)]
+    requests, states = zip(*(stateful(f"r{i}", [1, 2], out, **p) for i, (out, p) in enumerate(zip(outputs, params))))
+    got = Sampler(device="cpu").process_logits(logits.clone(), list(requests),
+                                               {r.request_id: s for r, s in zip(requests, states)})
+    expected = logits.clone()
+    for row, (out, p) in enumerate(zip(outputs, params)):
+        for token in set(out):  # hand-computed: mu - c * freq - (c > 0) * presence
+            expected[row, token] -= out.count(token) * p.get("frequency_penalty", 0.0)
+            expected[row, token] -= p.get("presence_penalty", 0.0)
+    torch.testing.assert_close(got, expected)
+
+
+def test_penalty_counts_follow_the_output_as_it_grows(tiny_model_logits):
+    logits = tiny_model_logits[:1]
+    request, state = stateful("r", [1], [], frequency_penalty=1.0)
+    sampler = Sampler(device="cpu")
+    for new_tokens in ([4], [4, 8], [8]):  # tokens appended between steps
+        request.output_token_ids.extend(new_tokens)
+        got = sampler.process_logits(logits.clone(), [request], {"r": state})
+        expected = logits.clone()
+        for token in set(request.output_token_ids):
+            expected[0, token] -= request.output_token_ids.count(token)
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_matches_hugging_face(tiny_model_logits, penalty):
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    prompts = [[3, 17, 17, 40], [200, 1], [9]]
+    outputs = [[5, 40], [], [9, 12, 12]]
+    requests, states = zip(*(stateful(f"r{i}", p, o, repetition_penalty=penalty)
+                             for i, (p, o) in enumerate(zip(prompts, outputs))))
+    got = Sampler(device="cpu").process_logits(tiny_model_logits.clone(), list(requests),
+                                               {r.request_id: s for r, s in zip(requests, states)})
+    reference = RepetitionPenaltyLogitsProcessor(penalty)
+    for row, (p, o) in enumerate(zip(prompts, outputs)):
+        expected = reference(torch.tensor([p + o]), tiny_model_logits[row:row + 1].clone())
+        torch.testing.assert_close(got[row:row + 1], expected)
+    assert not torch.equal(got, tiny_model_logits)
+
+
+def test_logit_bias_adds_to_the_named_tokens_only(tiny_model_logits):
+    bias = {"3": 5.0, 100: -100.0}
+    request, state = stateful("b", [1], [], logit_bias=bias)
+    plain = Request("p", [1], SamplingParams(), 0.0)
+    logits = tiny_model_logits[:2]
+    got = Sampler(device="cpu").process_logits(logits.clone(), [request, plain], {"b": state})
+    expected = logits.clone()
+    expected[0, 3] += 5.0
+    expected[0, 100] -= 100.0
+    torch.testing.assert_close(got, expected)
+
+
+def test_bias_of_minus_100_bans_and_plus_100_forces_a_token():
+    logits = fixed_logits(1)[0]
+    favourite = int(logits.argmax())
+    sampler = Sampler(seed=5, device="cpu")
+    for bias, check in ((-100.0, lambda drawn: favourite not in drawn),
+                        (100.0, lambda drawn: set(drawn) == {3})):
+        token = favourite if bias < 0 else 3
+        requests = [make_request(f"r{i}", temperature=1.5, seed=i, logit_bias={token: bias}) for i in range(2000)]
+        out = sampler.sample(logits.expand(len(requests), VOCAB).clone(), requests,
+                             {r.request_id: SamplingState() for r in requests})
+        assert check([out.token_ids[r.request_id] for r in requests])
+
+
+def test_rows_without_state_are_untouched(tiny_model_logits):
+    request, state = stateful("pen", [1, 2], [5], frequency_penalty=2.0, logit_bias={7: 3.0})
+    others = [Request(f"o{i}", [1, 2], SamplingParams(), 0.0) for i in range(2)]
+    logits = tiny_model_logits
+    got = Sampler(device="cpu").process_logits(logits.clone(), [others[0], request, others[1]], {"pen": state})
+    torch.testing.assert_close(got[[0, 2]], logits[[0, 2]])

@@ -109,13 +109,7 @@ class Sampler:
         """logits: [S, vocab] float32, row i belongs to requests[i]; `states`:
         request_id -> SamplingState for the requests that have one. May modify logits."""
         logprob_rows = self._logprob_rows(logits, requests)
-        stateful = [(i, states[r.request_id]) for i, r in enumerate(requests)
-                    if r.request_id in states] if states else []
-        self._apply_grammar_masks(logits, stateful)
-        _mask_until_min_tokens(logits, requests)
-        if stateful:
-            self._apply_logit_bias(logits, requests, stateful)
-            self._apply_penalties(logits, requests, stateful)
+        logits = self.process_logits(logits, requests, states)
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if random_rows:
@@ -126,6 +120,20 @@ class Sampler:
         logprobs = {rid: _pick(row, num_top, sampled[rid]) for rid, (row, num_top) in logprob_rows.items()}
         return SamplerOutput(sampled, logprobs)
 
+    def process_logits(self, logits: Tensor, requests: Sequence[Request],
+                       states: Mapping[str, SamplingState] | None = None) -> Tensor:
+        """The logits the draw starts from (before temperature): grammar masks,
+        min_tokens, logit_bias and penalties applied, in place; returns logits.
+        Advances no state but the penalties' token counts."""
+        stateful = [(i, states[r.request_id]) for i, r in enumerate(requests)
+                    if r.request_id in states] if states else []
+        self._apply_grammar_masks(logits, stateful)
+        _mask_until_min_tokens(logits, requests)
+        if stateful:
+            self._apply_logit_bias(logits, requests, stateful)
+            self._apply_penalties(logits, requests, stateful)
+        return logits
+
     def _apply_grammar_masks(self, logits: Tensor, stateful: list[tuple[int, SamplingState]]) -> None:
         """-inf for every token a constrained row's grammar does not allow next."""
         constrained = [(i, s.grammar) for i, s in stateful if s.grammar is not None]
@@ -134,11 +142,22 @@ class Sampler:
         vocab = logits.shape[-1]
         bitmask = np.empty((len(constrained), bitmask_words(vocab)), dtype=np.int32)
         fill_next_token_bitmasks([g for _, g in constrained], bitmask)
+        rows = [i for i, _ in constrained]
+        if logits.device.type == "cpu":
+            # numpy, single-threaded: bits unpacked (little-endian words, bit b
+            # of word w is token 32 * w + b) straight into a mask of the logits'
+            # memory. Two passes over [R, V] bytes, no torch thread-pool launch.
+            banned = np.unpackbits((~bitmask).view(np.uint8), axis=-1, bitorder="little")[:, :vocab].view(bool)
+            view = logits.numpy()
+            if len(rows) == len(view):
+                np.copyto(view, -np.inf, where=banned)
+            else:
+                view[rows] = np.where(banned, -np.inf, view[rows])
+            return
         words = torch.from_numpy(bitmask).to(logits.device, non_blocking=True)
-        # [R, W] int32 -> [R, W * 32] bits, bit b of word w is token 32 * w + b.
-        allowed = ((words.unsqueeze(-1) >> self._bit_shifts) & 1).view(len(constrained), -1)[:, :vocab]
-        rows = torch.tensor([i for i, _ in constrained], device=logits.device)
-        logits[rows] = logits[rows].masked_fill_(allowed == 0, float("-inf"))
+        allowed = ((words.unsqueeze(-1) >> self._bit_shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = torch.where(allowed, logits[index], float("-inf"))
 
     @staticmethod
     def _apply_logit_bias(logits: Tensor, requests: Sequence[Request],

@@ -119,6 +119,7 @@ def test_a_completed_constraint_ends_the_request_even_when_eos_is_ignored(llm):
                             structured_output=StructuredOutput("choice", ["left", "right"]))
     (out,) = llm.generate("Pick:", params)
     assert out.finish_reason == "stop" and out.text in ("left", "right")
+    assert not set(out.token_ids) & set(llm.engine.eos_token_ids)  # ended at once, no EOS padding
 
 
 def test_regex_choice_and_grammar_are_honoured(llm):

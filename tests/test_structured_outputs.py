@@ -267,3 +267,22 @@ def test_default_model_answers_validate_for_many_schemas():
         assert out.finish_reason == "stop", (name, out.text)
         jsonschema.validate(json.loads(out.text), schema)
     assert outputs[-1].token_ids == alone.token_ids
+
+
+def test_seeded_penalised_requests_are_reproducible_whatever_the_batch(llm):
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=77, frequency_penalty=0.8, presence_penalty=0.3,
+                            repetition_penalty=1.2, logit_bias={"13": 4.0}, ignore_eos=True)
+    alone = llm.generate("Tell me", seeded)[0].token_ids
+    neighbours = [json_params(SCHEMAS["enums"], 5), SamplingParams(max_tokens=9, temperature=0.7),
+                  SamplingParams(max_tokens=12, repetition_penalty=0.8)]
+    batched = llm.generate(["x y", "Tell me", "z", "w"], [neighbours[0], seeded, neighbours[1], neighbours[2]])
+    assert batched[1].token_ids == alone
+
+
+def test_logit_bias_bans_and_forces_tokens_through_the_engine(llm):
+    favourite = llm.generate("Hello", SamplingParams(max_tokens=1))[0].token_ids[0]
+    banned = [SamplingParams(max_tokens=6, temperature=1.0, seed=s, logit_bias={favourite: -100}) for s in range(8)]
+    for out in llm.generate(["Hello"] * 8, banned):
+        assert favourite not in out.token_ids
+    forced = SamplingParams(max_tokens=6, temperature=1.0, seed=1, logit_bias={"1234": 100}, ignore_eos=True)
+    assert llm.generate("Hello", forced)[0].token_ids == [1234] * 6

@@ -1,7 +1,7 @@
 import pytest
 
-from kvserve.contract import (FINISH_REASONS, InvalidParameter, Request, RequestStatus, SamplingParams,
-                              finish_reason)
+from kvserve.contract import (FINISH_REASONS, InvalidParameter, Request, RequestStatus, ResolvedVersions,
+                              SamplingParams, StructuredOutput, finish_reason)
 from kvserve.latency import derive_latency, summarize
 
 
@@ -20,6 +20,18 @@ from kvserve.latency import derive_latency, summarize
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"logprobs": 21}, "logprobs"),
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"logit_bias": {"7": 101}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {-3: 1}}, "logit_bias"),
+    ({"logit_bias": {3: True}}, "logit_bias"),
+    ({"logit_bias": {i: 1 for i in range(1025)}}, "logit_bias"),
+    ({"structured_output": {"type": "json_object"}}, "structured_output"),
+    ({"stop_token_ids": [5], "structured_output": StructuredOutput("regex", "a+")}, "stop"),
 ])
 def test_sampling_params_reject_bad_values_naming_the_field(kwargs, param):
     with pytest.raises(InvalidParameter) as err:
@@ -30,6 +42,40 @@ def test_sampling_params_reject_bad_values_naming_the_field(kwargs, param):
 def test_sampling_params_normalise_stop():
     assert SamplingParams(stop="###").stop == ("###",)
     assert SamplingParams(stop=["a", "b"], stop_token_ids=[3]).stop_token_ids == (3,)
+
+
+def test_sampling_params_normalise_logit_bias_and_penalties():
+    params = SamplingParams(logit_bias={"12": 3, 5: -100.0}, presence_penalty=1, repetition_penalty=1.1)
+    assert params.logit_bias == ((5, -100.0), (12, 3.0))
+    assert params.has_penalties and not SamplingParams().has_penalties
+    assert hash(params) == hash(SamplingParams(logit_bias=[(12, 3), (5, -100)], presence_penalty=1,
+                                               repetition_penalty=1.1))
+
+
+@pytest.mark.parametrize("kind, spec, match", [
+    ("xml", None, "kind must be one of"),
+    ("json", "[1, 2", "not valid JSON"),
+    ("json", [1, 2], "must be an object"),
+    ("json", {"x": float("nan")}, "not JSON"),
+    ("json", {"description": "x" * 100_001}, "longer than"),
+    ("choice", ["a", ""], "non-empty string"),
+    ("choice", "a", "list"),
+    ("regex", "", "string of 1"),
+    ("grammar", 5, "string of 1"),
+])
+def test_structured_output_shape_is_checked_at_construction(kind, spec, match):
+    with pytest.raises(InvalidParameter, match=match) as err:
+        StructuredOutput(kind, spec)
+    assert err.value.param == "structured_output"
+
+
+def test_versions_fingerprint_grows_with_what_the_request_brings():
+    base = ResolvedVersions("a" * 64, "b" * 64, "c" * 64)
+    assert base.fingerprint == "fp_aaaaaaaa_bbbbbb_cccccc"
+    mine = base.for_request(SamplingParams(structured_output=StructuredOutput("choice", ["x", "y"])))
+    assert mine.fingerprint == f"fp_aaaaaaaa_bbbbbb_cccccc_{mine.structured_output_hash[:6]}"
+    adapter = ResolvedVersions("a" * 64, "b" * 64, "c" * 64, adapter_id="d" * 64, tool_schema_hash="e" * 64)
+    assert adapter.fingerprint == "fp_aaaaaaaa_bbbbbb_cccccc_dddddd_eeeeee"
 
 
 def test_status_order_and_finish_reasons():

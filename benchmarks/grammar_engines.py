@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.model.loader import load_tokenizer
+from kvserve.model_facts.source import load_tokenizer
 
 RESULTS = Path(__file__).parent / "results" / "grammar_engines.json"
 REPEATS = 3

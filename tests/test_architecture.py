@@ -23,7 +23,7 @@ PACKAGE = ROOT / "src" / "kvserve"
 
 # The pure-Python core and the thinking tools: no torch (nor transformers,
 # which imports it), so they run anywhere and fast.
-TORCH_FREE = ("kv_cache", "scheduler", "admission", "fleet", "model_facts", "plan", "sim")
+TORCH_FREE = ("kv_cache", "scheduler", "admission", "fleet", "model_facts", "plan", "sim", "structured")
 TORCH = ("torch", "transformers", "triton")
 # bench speaks HTTP only: it measures any server, so it imports nothing of
 # kvserve's engine, server or policies.

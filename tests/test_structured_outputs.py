@@ -54,7 +54,7 @@ def tiny_folder(tmp_path_factory):
     """A tiny random Llama over SmolLM2's tokenizer, as a Hugging Face folder."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvserve.model.loader import load_tokenizer
+    from kvserve.model_facts.source import load_tokenizer
 
     torch.manual_seed(21)
     dims = dict(TINY_DIMS, vocab_size=VOCAB)
@@ -215,7 +215,7 @@ def test_a_compile_that_fails_late_aborts_its_request(llm):
 
 
 def test_each_constraint_is_compiled_once_and_the_cache_is_bounded(tiny_folder):
-    from kvserve.model.loader import load_tokenizer
+    from kvserve.model_facts.source import load_tokenizer
     from kvserve.structured import GrammarCompiler
 
     compiler = GrammarCompiler(load_tokenizer(tiny_folder), VOCAB, max_cached=2)

@@ -186,6 +186,10 @@ def test_a_compiling_grammar_delays_only_its_own_request(llm):
         steps = [engine.step() for _ in range(3)]
         assert [o.request_id for step in steps for o in step] == [other.request_id] * 3
         assert engine.has_unfinished() and waiting.output_token_ids == []
+        dropped = engine.new_request([5], SamplingParams(max_tokens=10, structured_output=constraint))
+        engine.add_request(dropped)  # aborted while its grammar compiles
+        assert engine.abort(dropped.request_id).finish_reason == "abort"
+        assert engine.abort(dropped.request_id) is None
         pending.set_result(real_submit(constraint).result())
         final = {}
         while engine.has_unfinished():

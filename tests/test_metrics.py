@@ -119,3 +119,15 @@ def test_warm_up_leaves_counters_kv_and_prefix_cache_empty():
         assert metric(s, "vllm:prefix_cache_queries_total") == 40
         assert metric(s, "vllm:prefix_cache_hits_total") == 0
         assert metric(s, "vllm:request_success_total") == 1
+
+
+def test_resident_weight_bytes_by_format():
+    core = tiny_core()
+    with live_server(core) as srv:
+        samples = scrape(srv.base_url)
+    assert metric(samples, "kvserve_model_weight_bytes", format="float32") > 0
+    assert metric(samples, "kvserve_model_weight_bytes") == core.runner.weight_bytes
+    metrics = ServerMetrics("m", 1.0, 0.1)
+    metrics.record_weights({"q4_1": 1000, "q8_0": 24})
+    text = metrics.render().decode()
+    assert 'kvserve_model_weight_bytes{format="q4_1",model_name="m"} 1000.0' in text

@@ -116,7 +116,7 @@ def smol():
     from kvserve.model_facts.default_model import default_model_path
 
     path = default_model_path()
-    llm = LLM(kv_cache_memory="256MiB", device="cpu")
+    llm = LLM(kv_cache_memory="256MiB", device="cpu", quantization="none")  # the float reference path
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                            dtype=torch.float32).eval()
     return llm, hf

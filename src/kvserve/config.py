@@ -18,6 +18,9 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 # The KV cache an engine gets unless told otherwise: `kvserve serve`,
 # `profile`, `generate`, `EngineConfig` and `LLM` (kvserve/flags.py).
 DEFAULT_KV_CACHE_MEMORY = "1GiB"
+# What the weights are computed in (`--quantization`, model/quantized.py):
+# auto = a GGUF's own quantized blocks, none = the float path, else one type.
+QUANTIZATION_CHOICES = ("auto", "none", "q8_0", "q4_0", "q4_1")
 
 
 def parse_size(value: str | int | float) -> int:

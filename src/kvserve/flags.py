@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Protocol
 
-from kvserve.config import DEFAULT_KV_CACHE_MEMORY, AdmissionConfig, CacheConfig, SchedulerConfig
+from kvserve.config import (DEFAULT_KV_CACHE_MEMORY, QUANTIZATION_CHOICES, AdmissionConfig, CacheConfig,
+                            SchedulerConfig)
 
 
 class ArgumentTarget(Protocol):
@@ -41,6 +42,11 @@ def add_model_arguments(group: ArgumentTarget) -> None:
                        help="a *.gguf file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
     group.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES,
                        help="weight, activation and KV cache dtype")
+    group.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
+                       help="what the weights are computed in: auto = a GGUF's own Q8_0/Q4_0/Q4_1 blocks, kept "
+                            "quantized in memory (CPU kernels; other files: --dtype); none = dequantized to "
+                            "--dtype (the float path); q8_0/q4_0/q4_1 = every matrix requantized to that type "
+                            "at load (Q4 keeps the embedding table in Q8_0)")
     group.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
 
 

@@ -103,6 +103,10 @@ class ServerMetrics:
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks held by requests (0..1).")
         self.running_cap = gauge("kvserve_running_cap",
                                  "Running-batch cap derived from measured step time and the TPOT target.")
+        self.weight_bytes = Gauge("kvserve_model_weight_bytes",
+                                  "Model weight bytes resident in memory, by storage format (float32, bfloat16, "
+                                  "q8_0, q4_0, q4_1): quantized weights count at their block size.",
+                                  ["model_name", "format"], registry=self.registry)
         self.step_token_budget = gauge("kvserve_step_token_budget",
                                        "Tokens one engine step may batch (decodes + prefill), derived from "
                                        "measured step time and the TPOT target.")
@@ -165,6 +169,11 @@ class ServerMetrics:
             if new > old:
                 counter.labels(model_name=self.model_name).inc(new - old)
         self._last_totals = totals
+
+    def record_weights(self, bytes_by_format: dict[str, int]) -> None:
+        """The resident weight bytes, set once the model is loaded."""
+        for weight_format, num_bytes in bytes_by_format.items():
+            self.weight_bytes.labels(model_name=self.model_name, format=weight_format).set(num_bytes)
 
     def record_admission(self, outcome: str, reason: str | None) -> None:
         self.admission.labels(model_name=self.model_name, outcome=outcome, reason=reason or "none").inc()

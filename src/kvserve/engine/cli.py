@@ -32,7 +32,8 @@ def engine_options(args: argparse.Namespace) -> dict:
     return {"kv_cache_memory": args.kv_cache_memory, "dtype": args.dtype, "device": args.device,
             "block_size": args.block_size, "enable_prefix_caching": not args.no_prefix_caching,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_model_len": args.max_model_len, "enforce_eager": args.enforce_eager}
+            "max_model_len": args.max_model_len, "enforce_eager": args.enforce_eager,
+            "quantization": args.quantization}
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

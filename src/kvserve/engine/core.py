@@ -25,6 +25,7 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.model_facts.config import ModelConfig
 from kvserve.model.detokenizer import IncrementalDetokenizer
 from kvserve.model.sampler import SamplerOutput, SamplingState, TokenLogprob
+from kvserve.model.quantized import check_quantization
 from kvserve.model_facts.tokenizer import Tokenizer
 from kvserve.runner.model_runner import ModelRunner
 from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput
@@ -37,11 +38,12 @@ COMPILE_WAIT_S = 0.05
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine is sized. kv_cache_memory_bytes is turned into a number
-    of blocks by the runner; max_model_len (tokens) defaults to the model's
-    context and is capped by it."""
+    of blocks by the runner (None: AUTO_ENGINE_MEMORY_BYTES less the resident
+    weights, so smaller weights leave a larger cache); max_model_len (tokens)
+    defaults to the model's context and is capped by it."""
 
     dtype: str = "float32"
-    kv_cache_memory_bytes: int = parse_size(DEFAULT_KV_CACHE_MEMORY)
+    kv_cache_memory_bytes: int | None = parse_size(DEFAULT_KV_CACHE_MEMORY)
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -50,14 +52,21 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0  # seeds the sampler's generator for unseeded requests
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (they are used only on CUDA)
+    # auto: the file's quantized matrices stay quantized; none: the float path;
+    # q8_0 / q4_0 / q4_1: every matrix in that type (model/quantized.py)
+    quantization: str = "auto"
 
     @classmethod
     def from_sizes(cls, kv_cache_memory: str | int = DEFAULT_KV_CACHE_MEMORY, **fields) -> "EngineConfig":
-        return cls(kv_cache_memory_bytes=parse_size(kv_cache_memory), **fields)
+        """kv_cache_memory: bytes, a size ("2GiB"), or "auto" (None: what the
+        resident weights leave of the runner's AUTO_ENGINE_MEMORY_BYTES)."""
+        size = None if kv_cache_memory == "auto" else parse_size(kv_cache_memory)
+        return cls(kv_cache_memory_bytes=size, **fields)
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 tokens, got {self.max_model_len}")
+        check_quantization(self.quantization)
 
 
 class _RequestState:
@@ -87,7 +96,8 @@ class EngineCore:
         self.runner = ModelRunner(model_config, weights, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
                                   block_size=config.block_size, dtype=config.dtype, device=config.device,
                                   max_model_len=self.max_model_len, seed=config.seed,
-                                  max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager)
+                                  max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
+                                  quantization=config.quantization)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len),

@@ -15,8 +15,11 @@ import os
 from dataclasses import dataclass
 from types import ModuleType
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from kvserve.model.quantized import activation_type, require_kernels
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +37,8 @@ class AttentionMetadata:
                    when every sequence sees its whole context (one-token steps of equal length)
     context_lens:  [B] int64, each sequence's context length including this step's
                    tokens (read by the CUDA decode kernel; None where not built)
+    block_table:   [B, max_blocks] int64, each sequence's cache blocks (read in
+                   place by the native CPU decode kernel; None where not built)
     """
 
     positions: Tensor
@@ -44,6 +49,8 @@ class AttentionMetadata:
     num_seqs: int
     max_query_len: int
     context_lens: Tensor | None = None
+    block_table: Tensor | None = None
+    block_size: int = 0
 
     @property
     def is_decode_only(self) -> bool:
@@ -81,6 +88,34 @@ def paged_attention(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale:
     out = F.scaled_dot_product_attention(q_grid, k, v, attn_mask=mask, scale=scale)
     out = out.view(b, hkv, group, qmax, d).permute(0, 3, 1, 2, 4).reshape(b * qmax, h, d)
     return out.index_select(0, meta.query_index)
+
+
+def native_attention(qkv: Tensor, kv_cache: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata,
+                     num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> Tensor:
+    """RoPE, the K/V write and attention with the native CPU kernels.
+
+    qkv: [T, (H + 2 * Hkv) * D], q and k rotated in place; cos/sin: the whole
+    [max_positions, D] tables; kv_cache: this layer's [slots, 2, Hkv, D].
+    Returns [T, H * D]. Decode-only steps read each sequence's K/V in place
+    through its block table (memory bounded by the batch, not the context);
+    steps with prefill chunks go through `paged_attention` (SDPA)."""
+    lib = require_kernels()
+    dtype = activation_type(qkv.dtype)
+    num_tokens = qkv.shape[0]
+    h, hkv, d = num_heads, num_kv_heads, head_dim
+    lib.kvq_rope_write_kv(qkv.data_ptr(), dtype, num_tokens, qkv.stride(0), meta.positions.data_ptr(),
+                          cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), kv_cache.data_ptr(),
+                          h, hkv, d)
+    if meta.is_decode_only and meta.block_table is not None:
+        out = torch.empty((num_tokens, h * d), dtype=qkv.dtype)
+        status = lib.kvq_decode_attention(qkv.data_ptr(), dtype, qkv.stride(0), kv_cache.data_ptr(),
+                                          meta.block_table.data_ptr(), meta.block_table.shape[1],
+                                          meta.context_lens.data_ptr(), meta.block_size, meta.num_seqs,
+                                          h, hkv, d, scale, out.data_ptr())
+        if status == 0:
+            return out  # else: a head shape past the kernel's buffers: SDPA below
+    q = qkv[:, :h * d].view(num_tokens, h, d)
+    return paged_attention(q, kv_cache, meta, scale).reshape(num_tokens, h * d)
 
 
 def _cuda_decode_attention(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +38,14 @@ _GLOBAL_TENSORS = {
     "output": "lm_head",
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+class RawQuantized(NamedTuple):
+    """A matrix kept in its GGUF blocks: rows [out_features, bytes per row] uint8."""
+
+    ggml_type: str  # "Q4_1", "Q8_0", ...
+    rows: np.ndarray
+    shape: tuple[int, int]  # [out_features, in_features]
 
 
 class GGUFModel:
@@ -66,7 +75,26 @@ class GGUFModel:
         """Every tensor dequantized to float32 under its HF name. Llama Q/K
         rows are un-permuted from llama.cpp's interleaved RoPE layout back to
         HF's rotate_half layout."""
-        weights = {}
+        return {name: torch.from_numpy(array) for name, _, array in self._hf_arrays(config, frozenset())}
+
+    def tensor_types(self) -> dict[str, str]:
+        """GGUF tensor name -> its ggml type name ("Q4_1", "F32", ...)."""
+        return {name: tensor.ggml_type.name for name, tensor in self._tensors.items()}
+
+    def quantized_weights(self, config: ModelConfig, keep_types: frozenset[str]
+                          ) -> dict[str, "torch.Tensor | RawQuantized"]:
+        """Like `weights`, except that matrices whose ggml type is in `keep_types`
+        come back as their raw GGUF blocks (`RawQuantized`, Q/K rows un-permuted
+        like the float ones) instead of being dequantized."""
+        return {name: RawQuantized(tensor.ggml_type.name, array, tensor.shape) if kept
+                else torch.from_numpy(array)
+                for name, tensor, array in self._hf_arrays(config, keep_types)
+                for kept in [tensor.ggml_type.name in keep_types and len(tensor.shape) == 2]}
+
+    def _hf_arrays(self, config: ModelConfig, keep_types: frozenset[str]):
+        """(HF name, tensor, array) for every model tensor: the raw rows of blocks
+        [out, bytes per row] for 2-D tensors whose type is in keep_types, else the
+        dequantized float32 array."""
         for name, tensor in self._tensors.items():
             if name == "rope_freqs.weight":
                 continue  # folded into config.rope_scaling
@@ -74,12 +102,12 @@ class GGUFModel:
             if hf_name is None:
                 raise ModelLoadError(f"{self.path}: unexpected tensor {name!r} for a "
                                      f"{config.architecture} model")
-            array = self._dequantize(tensor)
+            keep = tensor.ggml_type.name in keep_types and len(tensor.shape) == 2
+            array = np.array(tensor.data, copy=True) if keep else self._dequantize(tensor)
             if config.architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config.num_attention_heads if "q_proj" in hf_name else config.num_key_value_heads
-                array = unpermute_rope_rows(array, heads)
-            weights[hf_name] = torch.from_numpy(array)
-        return weights
+                array = unpermute_rope_rows(array, heads)  # whole rows move: raw blocks stay intact
+            yield hf_name, tensor, array
 
     def _dequantize(self, tensor) -> np.ndarray:
         from gguf.quants import dequantize

@@ -7,8 +7,10 @@ paged cache (by slot), then attends over each request's context read back from
 the cache through its block table. Per-step indexing lives in `AttentionMetadata`,
 built once per step by the runner and passed down explicitly.
 
-Weights arrive in Hugging Face names and layout; q/k/v and gate/up are fused
-into one matmul each so a decode step is a few kernels per layer.
+Weights arrive in Hugging Face names and layout, each matrix either a float
+tensor or a `QuantizedWeight` (model/quantized.py: GGUF blocks computed on
+in place); q/k/v and gate/up are fused into one matmul each so a decode step
+is a few kernels per layer, whichever kind of weight it multiplies by.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.attention import AttentionMetadata, native_attention, paged_attention
 from kvserve.model_facts.config import ModelConfig
 from kvserve.model.device import resolve_device
+from kvserve.model.quantized import QuantizedWeight
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -71,6 +74,66 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
+class DenseWeight:
+    """A float [out, in] weight kept as [in, out]: x @ w with w row-major is up
+    to 2x faster than F.linear's x @ w.T on CPU for the small batches of decode."""
+
+    def __init__(self, weight_t: Tensor) -> None:
+        self.weight_t = weight_t  # [in_features, out_features]
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight_t.numel() * self.weight_t.element_size()
+
+    def matmul(self, x: Tensor, add: Tensor | None = None, *, norm: tuple[Tensor, float] | None = None,
+               swiglu: bool = False) -> Tensor:
+        """f(x) @ W.T (+ add), f as in QuantizedWeight.matmul, in torch ops."""
+        out = torch.mm(input_transform(x, norm, swiglu), self.weight_t)
+        return out if add is None else out.add_(add)
+
+
+class SplitWeight:
+    """Parts of one fused matmul that cannot be stacked (different quantization
+    types): each computes its own columns of one output."""
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def matmul(self, x: Tensor, add: Tensor | None = None, *, norm: tuple[Tensor, float] | None = None,
+               swiglu: bool = False) -> Tensor:
+        x = input_transform(x, norm, swiglu)
+        out = torch.cat([p.matmul(x) for p in self.parts], dim=-1)
+        return out if add is None else out.add_(add)
+
+
+def input_transform(x: Tensor, norm: tuple[Tensor, float] | None, swiglu: bool) -> Tensor:
+    """What a matmul applies to its input first: rms_norm(x, *norm), or
+    silu(gate) * up of x = [gate, up]."""
+    if norm is not None:
+        return rms_norm(x, norm[0], norm[1])
+    if swiglu:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return x
+
+
+Linear = DenseWeight | QuantizedWeight | SplitWeight
+
+
+def make_linear(parts: list, dtype: torch.dtype, device: torch.device) -> Linear:
+    """One matmul over the row-stacked HF [out, in] weights `parts` (float
+    tensors or QuantizedWeights)."""
+    if all(isinstance(p, Tensor) for p in parts):
+        return DenseWeight(torch.cat([p.to(device=device, dtype=dtype) for p in parts]).t().contiguous())
+    if all(isinstance(p, QuantizedWeight) for p in parts) and len({p.qtype for p in parts}) == 1:
+        return parts[0] if len(parts) == 1 else QuantizedWeight.concat(parts)
+    return SplitWeight([make_linear([p], dtype, device) for p in parts])
+
+
 class DecoderLayer:
     """One pre-norm transformer block; plain tensors, no nn.Module overhead."""
 
@@ -79,10 +142,8 @@ class DecoderLayer:
         def take(name: str) -> Tensor:
             return weights[prefix + name].to(device=device, dtype=dtype)
 
-        def take_t(*names: str) -> Tensor:
-            # Stored [in_features, out_features]: x @ w with w row-major is up to 2x
-            # faster than F.linear's x @ w.T on CPU for the small batches of decode.
-            return torch.cat([take(n) for n in names]).t().contiguous()
+        def linear(*names: str) -> Linear:
+            return make_linear([weights[prefix + n] for n in names], dtype, device)
 
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -92,43 +153,51 @@ class DecoderLayer:
         self.input_norm = take("input_layernorm.weight")
         self.post_attn_norm = take("post_attention_layernorm.weight")
         attn = "self_attn."
-        # qkv: [hidden, (H + 2 * Hkv) * D]
-        self.qkv_weight = take_t(*[attn + f"{p}_proj.weight" for p in "qkv"])
+        # qkv: hidden -> (H + 2 * Hkv) * D
+        self.qkv = linear(*[attn + f"{p}_proj.weight" for p in "qkv"])
         self.qkv_bias = (torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"])
                          if config.attention_bias else None)
-        self.o_weight = take_t(attn + "o_proj.weight")
-        # gate_up: [hidden, 2 * intermediate]
-        self.gate_up_weight = take_t("mlp.gate_proj.weight", "mlp.up_proj.weight")
-        self.down_weight = take_t("mlp.down_proj.weight")
+        self.o_proj = linear(attn + "o_proj.weight")
+        # gate_up: hidden -> 2 * intermediate
+        self.gate_up = linear("mlp.gate_proj.weight", "mlp.up_proj.weight")
+        self.down = linear("mlp.down_proj.weight")
+        # RoPE, the K/V write and decode attention as native CPU kernels
+        # (set by LlamaModel for quantized models; the float path stays torch).
+        self.native_ops = False
 
-    def __call__(self, hidden: Tensor, residual: Tensor | None, kv_cache: Tensor,
-                 cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
-        """hidden, residual: [T, hidden]; kv_cache: [num_slots, 2, Hkv, D] (this layer).
-        Returns (mlp output, residual stream) so the next norm fuses the add."""
-        residual = hidden if residual is None else hidden + residual
-        x = rms_norm(residual, self.input_norm, self.eps)
-        x = self.attention(x, kv_cache, cos, sin, meta)
-        residual = x + residual
-        x = rms_norm(residual, self.post_attn_norm, self.eps)
-        gate, up = torch.mm(x, self.gate_up_weight).chunk(2, dim=-1)
-        return torch.mm(F.silu(gate) * up, self.down_weight), residual
+    def linears(self) -> list[Linear]:
+        return [self.qkv, self.o_proj, self.gate_up, self.down]
 
-    def attention(self, x: Tensor, kv_cache: Tensor, cos: Tensor, sin: Tensor,
+    def __call__(self, residual: Tensor, kv_cache: Tensor, cos: Tensor, sin: Tensor,
+                 meta: AttentionMetadata) -> Tensor:
+        """residual: [T, hidden], the residual stream; kv_cache: [num_slots, 2, Hkv, D]
+        (this layer). Returns the residual stream after this layer. Each norm and
+        the SwiGLU are the input transform of the matmul after them, and each
+        residual add is fused into the matmul before it (the quantized kernels do
+        both inside one call; the float path runs the same ops in torch)."""
+        qkv = self.qkv.matmul(residual, norm=(self.input_norm, self.eps))
+        if self.qkv_bias is not None:
+            qkv += self.qkv_bias
+        residual = self.o_proj.matmul(self.attention(qkv, kv_cache, cos, sin, meta), add=residual)
+        gate_up = self.gate_up.matmul(residual, norm=(self.post_attn_norm, self.eps))
+        return self.down.matmul(gate_up, add=residual, swiglu=True)
+
+    def attention(self, qkv: Tensor, kv_cache: Tensor, cos: Tensor, sin: Tensor,
                   meta: AttentionMetadata) -> Tensor:
-        num_tokens = x.shape[0]
+        """qkv: [T, (H + 2 * Hkv) * D] -> attention output [T, H * D]; writes K/V.
+        cos/sin: [T, 1, D] rows of this step's positions, or (native ops) the
+        whole [max_positions, D] tables."""
+        num_tokens = qkv.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_bias is None:
-            qkv = torch.mm(x, self.qkv_weight)
-        else:
-            qkv = torch.addmm(self.qkv_bias, x, self.qkv_weight)
+        if self.native_ops:
+            return native_attention(qkv, kv_cache, cos, sin, meta, h, hkv, d, self.scale)
         # q and k share one rotary application: [T, H + Hkv, D]
         qk = apply_rope(qkv[:, : (h + hkv) * d].view(num_tokens, h + hkv, d), cos, sin)
         q = qk[:, :h]
         kv = torch.stack((qk[:, h:], qkv[:, (h + hkv) * d:].view(num_tokens, hkv, d)), dim=1)
         # Write every token's K/V first, so each query below reads its own key too.
         kv_cache.index_copy_(0, meta.slot_mapping, kv)
-        out = paged_attention(q, kv_cache, meta, self.scale)
-        return torch.mm(out.reshape(num_tokens, h * d), self.o_weight)
+        return paged_attention(q, kv_cache, meta, self.scale).reshape(num_tokens, h * d)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -149,13 +218,19 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device
         _check_weights(config, weights)
-        self.embed_tokens = weights["model.embed_tokens.weight"].to(device=device, dtype=dtype)
+        self.embed_tokens = _table(weights["model.embed_tokens.weight"], dtype, device)
         head = weights.get("lm_head.weight") if not config.tie_word_embeddings else None
-        self.lm_head = self.embed_tokens if head is None else head.to(device=device, dtype=dtype)
+        self.lm_head = self.embed_tokens if head is None else _table(head, dtype, device)
         self.norm = weights["model.norm.weight"].to(device=device, dtype=dtype)
         self.layers = [DecoderLayer(config, weights, f"model.layers.{i}.", dtype, device)
                        for i in range(config.num_hidden_layers)]
         self.cos, self.sin = rope_tables(config, max_positions, dtype, device)
+        # A model computing on quantized weights runs the rest of its step in
+        # native kernels too: the step is then weight streaming plus attention.
+        self.native_ops = device.type == "cpu" and any(
+            isinstance(lin, QuantizedWeight) for layer in self.layers for lin in layer.linears())
+        for layer in self.layers:
+            layer.native_ops = self.native_ops
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, Tensor],
@@ -166,30 +241,63 @@ class LlamaModel:
                    max_positions or config.max_position_embeddings)
 
     def weight_bytes(self) -> int:
-        tensors = [self.embed_tokens, self.norm]
+        """Bytes of every weight as it is resident (quantized ones at their block size)."""
+        return sum(self.weight_formats().values())
+
+    def weight_formats(self) -> dict[str, int]:
+        """Resident weight bytes by storage format ("float32", "q4_1", ...)."""
+        formats: dict[str, int] = {}
+        for weight in self._weights():
+            for part in (weight.parts if isinstance(weight, SplitWeight) else [weight]):
+                key, size = _format_of(part)
+                formats[key] = formats.get(key, 0) + size
+        return formats
+
+    def _weights(self) -> list:
+        """Every weight once (a tied LM head is the embedding table)."""
+        weights = [self.embed_tokens, self.norm]
         if self.lm_head is not self.embed_tokens:
-            tensors.append(self.lm_head)
+            weights.append(self.lm_head)
         for layer in self.layers:
-            tensors += [layer.input_norm, layer.post_attn_norm, layer.qkv_weight, layer.o_weight,
-                        layer.gate_up_weight, layer.down_weight]
+            weights += [layer.input_norm, layer.post_attn_norm, *layer.linears()]
             if layer.qkv_bias is not None:
-                tensors.append(layer.qkv_bias)
-        return sum(t.numel() * t.element_size() for t in tensors)
+                weights.append(layer.qkv_bias)
+        return weights
 
     def forward(self, token_ids: Tensor, kv_caches: list[Tensor], meta: AttentionMetadata) -> Tensor:
         """token_ids: [T] -> hidden states [T, hidden] (before the final norm).
         kv_caches: one [num_slots, 2, Hkv, D] tensor per layer, written in place."""
-        hidden = F.embedding(token_ids, self.embed_tokens)
-        cos = self.cos.index_select(0, meta.positions).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin.index_select(0, meta.positions).unsqueeze(1)
-        residual = None
+        if isinstance(self.embed_tokens, QuantizedWeight):
+            residual = self.embed_tokens.rows(token_ids, self.dtype)
+        else:
+            residual = F.embedding(token_ids, self.embed_tokens)
+        if self.native_ops:
+            cos, sin = self.cos, self.sin  # the kernels index them by position
+        else:
+            cos = self.cos.index_select(0, meta.positions).unsqueeze(1)  # [T, 1, D]
+            sin = self.sin.index_select(0, meta.positions).unsqueeze(1)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, kv_cache, cos, sin, meta)
-        return hidden + residual
+            residual = layer(residual, kv_cache, cos, sin, meta)
+        return residual
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [S, hidden] -> float32 logits [S, vocab]."""
-        return F.linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        normed = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        if isinstance(self.lm_head, QuantizedWeight):
+            return self.lm_head.matmul(normed, out_dtype=torch.float32)
+        return F.linear(normed, self.lm_head).float()
+
+
+def _table(weight: "Tensor | QuantizedWeight", dtype: torch.dtype, device: torch.device):
+    """The embedding table / LM head: a float tensor on device, or kept quantized."""
+    return weight if isinstance(weight, QuantizedWeight) else weight.to(device=device, dtype=dtype)
+
+
+def _format_of(weight) -> tuple[str, int]:
+    if isinstance(weight, QuantizedWeight):
+        return weight.qtype, weight.nbytes
+    tensor = weight.weight_t if isinstance(weight, DenseWeight) else weight
+    return str(tensor.dtype).removeprefix("torch."), tensor.numel() * tensor.element_size()
 
 
 def _check_weights(config: ModelConfig, weights: dict[str, Tensor]) -> None:

@@ -1,12 +1,15 @@
 """load_model: one entry point for the embedded default model, a GGUF file or
 a Hugging Face folder. Whatever the source, the result is the same: a
-ModelConfig, float32 weights under HF parameter names in HF orientation, a
-Tokenizer, and the versions that identify what was loaded. Sources, configs
+ModelConfig, weights under HF parameter names in HF orientation (float32, or
+with `quantization` other than "none" a GGUF's Q8_0 / Q4_0 / Q4_1 matrices
+kept in their blocks as QuantizedWeights), a Tokenizer, and the versions that
+identify what was loaded. Sources, configs
 and tokenizers are model_facts/ (torch-free); this module adds the weights."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,38 +27,70 @@ from kvserve.model_facts.tokenizer import Tokenizer
 
 __all__ = ["LoadedModel", "ModelLoadError", "expected_weight_shapes", "load_model"]
 
+log = logging.getLogger(__name__)
+# GGUF types the quantized kernels compute on; float types are never "unsupported".
+KERNEL_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
+
 
 @dataclass
 class LoadedModel:
     config: ModelConfig
     # HF names ("model.layers.0.self_attn.q_proj.weight", ...) -> float32 tensors
-    # in HF orientation ([out_features, in_features]); no "lm_head.weight" when
-    # config.tie_word_embeddings.
-    weights: dict[str, torch.Tensor]
+    # in HF orientation ([out_features, in_features]), or QuantizedWeights of that
+    # shape; no "lm_head.weight" when config.tie_word_embeddings.
+    weights: dict[str, "torch.Tensor | QuantizedWeight"]
     tokenizer: Tokenizer
     versions: ResolvedVersions
     source: str  # the file or folder it was read from
 
 
-def load_model(path: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(path: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32,
+               quantization: str = "none") -> LoadedModel:
     """Read a model into memory (CPU tensors of `dtype`).
 
     None -> the embedded default model (sha256-verified); a directory -> an HF
     folder; a *.gguf file -> GGUF. Every failure is a ModelLoadError whose
-    message says what is wrong and what is supported.
+    message says what is wrong and what is supported. quantization "none"
+    dequantizes everything; any other value keeps a GGUF's Q8_0 / Q4_0 / Q4_1
+    matrices quantized (never expanded to float), and other quantized types
+    are dequantized with one log line (model/quantized.prepare_weights then
+    applies an explicit type).
     """
     source = resolve_source(path)
-    loaded = _load_hf_folder(source, dtype) if source.is_dir() else _load_gguf(source, dtype)
+    if source.is_dir():
+        loaded = _load_hf_folder(source, dtype)
+    else:
+        loaded = _load_gguf(source, dtype, keep_quantized=quantization != "none")
     check_weights(loaded.config, loaded.weights, source)
     return loaded
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool) -> LoadedModel:
     model = GGUFModel(path, open_gguf(path))
     config = guard_malformed(model.config, path)
     tokenizer = guard_malformed(lambda: model.tokenizer(config), path)
-    weights = {name: t.to(dtype) for name, t in guard_malformed(lambda: model.weights(config), path).items()}
+    if keep_quantized:
+        weights = guard_malformed(lambda: _quantized_weights(model, config, dtype, path), path)
+    else:
+        weights = {name: t.to(dtype) for name, t in guard_malformed(lambda: model.weights(config), path).items()}
     return LoadedModel(config, weights, tokenizer, _versions(file_sha256(path), tokenizer), str(path))
+
+
+def _quantized_weights(model, config: ModelConfig, dtype: torch.dtype, path: Path) -> dict:
+    from kvserve.model.quantized import QuantizedWeight
+
+    unsupported = sorted({t for t in model.tensor_types().values() if t not in KERNEL_TYPES | _FLOAT_TYPES})
+    if unsupported:
+        log.warning("%s: tensor types %s have no quantized kernel: those tensors are dequantized to float "
+                    "(supported: %s)", path.name, ", ".join(unsupported), ", ".join(sorted(KERNEL_TYPES)))
+    weights = {}
+    for name, w in model.quantized_weights(config, KERNEL_TYPES).items():
+        if isinstance(w, torch.Tensor):
+            weights[name] = w.to(dtype)
+        else:
+            weights[name] = QuantizedWeight.from_gguf_rows(w.ggml_type.lower(), w.rows, w.shape[1])
+    return weights
 
 
 def _load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:

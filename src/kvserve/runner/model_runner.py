@@ -5,6 +5,7 @@ step's SchedulerOutput into tensors (runner/step_batch.py) -> forward pass
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ from kvserve.model_facts import memory
 from kvserve.model_facts.config import ModelConfig
 from kvserve.model.device import resolve_device, resolve_dtype
 from kvserve.model.llama import LlamaModel
+from kvserve.model.quantized import prepare_weights
 from kvserve.model.sampler import Sampler, SamplerOutput, SamplingState
 from kvserve.runner.decode_graphs import DecodeGraphs
 from kvserve.runner.step_batch import build_step_batch
@@ -23,21 +25,44 @@ if TYPE_CHECKING:
     from kvserve.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 
 
+log = logging.getLogger(__name__)
+# kv_cache_memory_bytes=None: weights and KV cache share this much memory, so
+# the bytes quantized weights free go to the cache (float32 SmolLM2-135M:
+# ~1.0 GiB of KV; its Q4_1 file: ~1.4 GiB).
+AUTO_ENGINE_MEMORY_BYTES = 3 * 2**29  # 1.5 GiB
+MIN_AUTO_KV_BYTES = 2**28
+
+
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return memory.kv_bytes_per_block(config, block_size, dtype.itemsize)
 
 
+def auto_kv_cache_bytes(weight_bytes: int) -> int:
+    """The KV cache size when none is configured: what the weights leave of
+    AUTO_ENGINE_MEMORY_BYTES, at least MIN_AUTO_KV_BYTES."""
+    return max(MIN_AUTO_KV_BYTES, AUTO_ENGINE_MEMORY_BYTES - weight_bytes)
+
+
 class ModelRunner:
-    def __init__(self, config: ModelConfig, weights: dict[str, Tensor], *, kv_cache_memory_bytes: int,
+    def __init__(self, config: ModelConfig, weights: dict, *, kv_cache_memory_bytes: int | None,
                  block_size: int = 16, dtype: str | torch.dtype = "float32",
                  device: torch.device | str | None = None, max_model_len: int | None = None,
-                 seed: int = 0, max_num_seqs: int = 64, enforce_eager: bool = False) -> None:
+                 seed: int = 0, max_num_seqs: int = 64, enforce_eager: bool = False,
+                 quantization: str = "auto") -> None:
+        """weights: HF-named float tensors or QuantizedWeights (model/loader.py);
+        quantization: what they are computed in (model/quantized.prepare_weights).
+        kv_cache_memory_bytes None: auto_kv_cache_bytes of the resident weights."""
         self.config = config
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
         self.block_size = block_size
         self.max_model_len = max_model_len or config.max_position_embeddings
-        self.model = LlamaModel.from_weights(config, weights, self.dtype, self.device, self.max_model_len)
+        self.model = LlamaModel.from_weights(config, prepare_weights(weights, quantization, self.device),
+                                             self.dtype, self.device, self.max_model_len)
+        self.weight_bytes = self.model.weight_bytes()
+        if kv_cache_memory_bytes is None:
+            kv_cache_memory_bytes = auto_kv_cache_bytes(self.weight_bytes)
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.num_blocks = memory.num_kv_blocks(kv_cache_memory_bytes, config, block_size, self.dtype.itemsize)
         # [layers, slots, 2 (K, V), kv_heads, head_dim]: the pool's blocks, then one
         # scratch slot outside them that graph padding writes to and reads from.
@@ -50,6 +75,10 @@ class ModelRunner:
         self.kv_cache[:, self.scratch_slot].zero_()
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed=seed, device=self.device)
+        formats = ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in self.model.weight_formats().items())
+        log.info("resident weights %.1f MiB (%s); KV cache %.1f MiB = %d blocks of %d tokens",
+                 self.weight_bytes / 2**20, formats, self.num_blocks * kv_bytes_per_block(
+                     config, block_size, self.dtype) / 2**20, self.num_blocks, block_size)
         # Decode steps replay CUDA graphs on a GPU; a CPU gains nothing from them.
         self.decode_graphs = None if enforce_eager or self.device.type != "cuda" else DecodeGraphs(
             self.model, self.kv_caches, block_size=block_size, scratch_slot=self.scratch_slot,

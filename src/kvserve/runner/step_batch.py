@@ -72,7 +72,8 @@ def build_step_batch(chunks: Sequence["ScheduledChunk"], block_size: int,
     meta = AttentionMetadata(
         positions=to(positions), slot_mapping=to(slot_mapping), query_index=to(query_index),
         context_slots=to(context_slots), attn_mask=None if attn_mask is None else to(attn_mask),
-        num_seqs=num_seqs, max_query_len=max_query_len, context_lens=to(context_lens))
+        num_seqs=num_seqs, max_query_len=max_query_len, context_lens=to(context_lens),
+        block_table=to(block_table), block_size=block_size)
     return StepBatch(
         token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device), meta=meta,
         sample_rows=to(cu_tokens[1:][sampling] - 1),

@@ -96,7 +96,7 @@ def build_serving(args: argparse.Namespace):
 
     tenants = TenantDirectory.from_file(args.api_keys) if args.api_keys else TenantDirectory()
     set_torch_threads(args.torch_threads)
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, quantization=args.quantization)
     name = args.served_model_name or Path(loaded.source).name.removesuffix(".gguf")
     admission, server = configs(args, name)
     core = EngineCore(loaded.config, loaded.weights, loaded.tokenizer, engine_config(args),

@@ -106,6 +106,7 @@ class Serving:
         self.admission = AdmissionController(admission_config, kv.num_blocks, kv.block_size,
                                              core.scheduler.config.max_num_seqs, clock, self.tenants.limits())
         self.metrics = ServerMetrics(self.model_name, admission_config.ttft_slo_s, admission_config.tpot_slo_s)
+        self.metrics.record_weights(core.runner.model.weight_formats())
         self.engine = AsyncEngine(core, on_step=self._on_step)
         self._contexts: dict[str, _Context] = {}
         self._step_limits = StepLimits(core.scheduler.config.max_num_seqs, None)

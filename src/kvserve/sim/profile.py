@@ -267,7 +267,7 @@ def profile(args: argparse.Namespace) -> dict:
     grid = ProfileGrid(tuple(args.prefill_tokens), tuple(args.decode_batch), tuple(args.context),
                        args.repeats, args.time_budget, args.seed, tuple(args.tokens))
     set_torch_threads(args.torch_threads)
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, quantization=args.quantization)
     config = engine_config(args)
     core = EngineCore(loaded.config, loaded.weights, loaded.tokenizer, config)
     samples, jitter = time_engine_steps(core, grid)

@@ -1,0 +1,511 @@
+/* kvserve's quantized CPU kernels: matmul on GGUF Q8_0 / Q4_0 / Q4_1 weights
+ * without dequantizing them, plus the small fused pieces of a decoder step
+ * (RMSNorm with the residual add, decode attention over the paged KV cache).
+ *
+ * Called through ctypes (src/kvserve/model/quantized.py), which releases the
+ * GIL for the whole call: the HTTP event loop keeps running while a kernel
+ * computes. Threads come from OpenMP; torch's wheel ships the same libgomp
+ * (soname libgomp.so.1), which is loaded first, so both share one pool.
+ *
+ * Weight layout ("8-row interleaved", built by quantized.py from GGUF blocks):
+ * rows are taken 8 at a time (a group); for each group and each 32-wide block
+ * of the input dimension:
+ *   Q8_0: d[8] fp16 | qs[8 steps][8 rows][4] int8               272 bytes
+ *   Q4_0: d[8] fp16 | nib[4 chunks][8 rows][4]                   144 bytes
+ *   Q4_1: d[8] fp16 | m[8] fp16 | nib[4 chunks][8 rows][4]       160 bytes
+ * so a 256-bit register holds 4 consecutive inputs of 8 output rows, and the
+ * 8 rows' dot products build up lane by lane with no horizontal sums. For Q4,
+ * byte 4r+j of chunk c holds input 4c+j in its low nibble and 16+4c+j in its
+ * high nibble (exactly GGUF's qs[4c+j] of row r). Q4_0's value is d*(q-8),
+ * Q4_1's d*q+m, Q8_0's d*q.
+ *
+ * Activations are quantized per row in blocks of 32 (d = max|x|/127, q =
+ * round(x/d)) with s = d*sum(q) kept for the Q4 offsets, as llama.cpp's Q8_1.
+ *
+ * Two code paths with the same results up to float summation order: AVX2
+ * (+FMA, F16C), chosen at run time where the CPU has it, and portable C.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define KVQ_X86 1
+#endif
+
+enum { KVQ_Q4_0 = 2, KVQ_Q4_1 = 3, KVQ_Q8_0 = 8 };  /* ggml's type ids */
+enum { KVQ_F32 = 0, KVQ_BF16 = 1 };
+#define QK 32
+#define NR 8
+
+static int g_force_scalar = 0;
+
+/* ---- scalar helpers ------------------------------------------------------ */
+
+static float fp16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) { bits = sign; }
+        else {  /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) { bits = sign | 0x7f800000 | (mant << 13); }
+    else { bits = sign | ((exp + 127 - 15) << 23) | (mant << 13); }
+    float f; memcpy(&f, &bits, 4); return f;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16; float f; memcpy(&f, &bits, 4); return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch */
+    uint32_t bits; memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40);  /* NaN */
+    bits += 0x7fff + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float load_x(const void* x, int xtype, int64_t i) {
+    return xtype == KVQ_BF16 ? bf16_to_f32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
+}
+
+static inline void store_y(void* y, int ytype, int64_t i, float v) {
+    if (ytype == KVQ_BF16) ((uint16_t*)y)[i] = f32_to_bf16(v); else ((float*)y)[i] = v;
+}
+
+int64_t kvq_block_bytes(int wtype) {
+    switch (wtype) {
+        case KVQ_Q8_0: return 16 + 256;
+        case KVQ_Q4_0: return 16 + 128;
+        case KVQ_Q4_1: return 32 + 128;
+        default: return -1;
+    }
+}
+
+int kvq_has_avx2(void) {
+#ifdef KVQ_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
+
+/* 0: portable C; 2: AVX2. force_scalar != 0 pins the portable path (tests). */
+int kvq_set_isa(int force_scalar) { g_force_scalar = force_scalar; return (!g_force_scalar && kvq_has_avx2()) ? 2 : 0; }
+
+/* ---- activation quantization -------------------------------------------- */
+
+static void quantize_row_scalar(const void* x, int xtype, int64_t K, int8_t* q, float* d, float* s) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        float amax = 0.f, v[QK];
+        for (int j = 0; j < QK; j++) { v[j] = load_x(x, xtype, b * QK + j); amax = fmaxf(amax, fabsf(v[j])); }
+        float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int sum = 0;
+        for (int j = 0; j < QK; j++) { int qi = (int)nearbyintf(v[j] * inv); q[b * QK + j] = (int8_t)qi; sum += qi; }
+        d[b] = scale; s[b] = scale * (float)sum;
+    }
+}
+
+#ifdef KVQ_X86
+__attribute__((target("avx2,fma,f16c")))
+static inline __m256 load8_avx2(const void* x, int xtype, int64_t i) {
+    if (xtype == KVQ_BF16) {
+        __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)x + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float*)x + i);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void quantize_row_avx2(const void* x, int xtype, int64_t K, int8_t* q, float* d, float* s) {
+    const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < K / QK; b++) {
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = load8_avx2(x, xtype, b * QK + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[i]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        float am = _mm_cvtss_f32(m4);
+        float scale = am / 127.f, inv = am > 0.f ? 127.f / am : 0.f;
+        __m256 vinv = _mm256_set1_ps(inv);
+        __m256i qi[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            /* round half to even, as nearbyintf in the portable path */
+            qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            sum = _mm256_add_epi32(sum, qi[i]);
+        }
+        /* int32 -> int8 in order: packs interleave 128-bit lanes, the permute undoes it */
+        __m256i p01 = _mm256_packs_epi32(qi[0], qi[1]), p23 = _mm256_packs_epi32(qi[2], qi[3]);
+        __m256i p = _mm256_packs_epi16(p01, p23);
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i*)(q + b * QK), p);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_hadd_epi32(s4, s4); s4 = _mm_hadd_epi32(s4, s4);
+        d[b] = scale; s[b] = scale * (float)_mm_cvtsi128_si32(s4);
+    }
+}
+#endif
+
+/* What the matmul applies to each input row before quantizing it. */
+enum { KVQ_X_PLAIN = 0, KVQ_X_RMS_NORM = 1, KVQ_X_SWIGLU = 2 };
+
+/* One input row after its transform, in float32:
+ *   RMS_NORM: x * rsqrt(mean(x^2) + eps) * weight (weight [K] in x's dtype);
+ *   SWIGLU:   silu(x[:K]) * x[K:2K] (the row holds gate then up). */
+__attribute__((target_clones("avx2", "default")))
+static void transform_row(const void* row, int xtype, int64_t K, int xop, const void* norm_w, float eps,
+                          float* out) {
+    if (xop == KVQ_X_SWIGLU) {
+        for (int64_t k = 0; k < K; k++) {
+            float g = load_x(row, xtype, k);
+            out[k] = g / (1.f + expf(-g)) * load_x(row, xtype, K + k);
+        }
+        return;
+    }
+    for (int64_t k = 0; k < K; k++) out[k] = load_x(row, xtype, k);
+    float ss = 0.f;
+    #pragma omp simd reduction(+:ss)
+    for (int64_t k = 0; k < K; k++) ss += out[k] * out[k];
+    float inv = 1.f / sqrtf(ss / (float)K + eps);
+    for (int64_t k = 0; k < K; k++) out[k] = out[k] * inv * load_x(norm_w, xtype, k);
+}
+
+static void quantize_rows(const void* x, int xtype, int64_t M, int64_t K, int64_t ldx, int xop,
+                          const void* norm_w, float eps, int8_t* q, float* d, float* s, int avx2) {
+    const size_t esz = xtype == KVQ_BF16 ? 2 : 4;
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const void* row = (const char*)x + (size_t)m * ldx * esz;
+        int rtype = xtype;
+        float tmp[xop == KVQ_X_PLAIN ? 1 : K];
+        if (xop != KVQ_X_PLAIN) { transform_row(row, xtype, K, xop, norm_w, eps, tmp); row = tmp; rtype = KVQ_F32; }
+#ifdef KVQ_X86
+        if (avx2) { quantize_row_avx2(row, rtype, K, q + m * K, d + m * (K / QK), s + m * (K / QK)); continue; }
+#endif
+        (void)avx2;
+        quantize_row_scalar(row, rtype, K, q + m * K, d + m * (K / QK), s + m * (K / QK));
+    }
+}
+
+/* ---- the matmul: portable path ------------------------------------------- */
+
+/* out[m, n] for the 8 rows of group g and one activation row. */
+static void group_dot_scalar(int wtype, const uint8_t* wg, int64_t nb, const int8_t* qa, const float* da,
+                             const float* sa, float acc[NR]) {
+    const int64_t bb = kvq_block_bytes(wtype);
+    for (int r = 0; r < NR; r++) acc[r] = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = wg + b * bb;
+        const int8_t* a = qa + b * QK;
+        for (int r = 0; r < NR; r++) {
+            float dw = fp16_to_f32(((const uint16_t*)blk)[r]);
+            int isum = 0;
+            if (wtype == KVQ_Q8_0) {
+                const int8_t* qs = (const int8_t*)(blk + 16);
+                for (int st = 0; st < 8; st++)
+                    for (int j = 0; j < 4; j++) isum += qs[st * 32 + 4 * r + j] * a[4 * st + j];
+                acc[r] += dw * da[b] * (float)isum;
+                continue;
+            }
+            const uint8_t* nib = blk + (wtype == KVQ_Q4_1 ? 32 : 16);
+            for (int c = 0; c < 4; c++)
+                for (int j = 0; j < 4; j++) {
+                    uint8_t byte = nib[c * 32 + 4 * r + j];
+                    isum += (byte & 0xf) * a[4 * c + j] + (byte >> 4) * a[16 + 4 * c + j];
+                }
+            float mw = wtype == KVQ_Q4_1 ? fp16_to_f32(((const uint16_t*)blk)[8 + r]) : -8.f * dw;
+            acc[r] += dw * da[b] * (float)isum + mw * sa[b];
+        }
+    }
+}
+
+/* ---- the matmul: AVX2 ---------------------------------------------------- */
+#ifdef KVQ_X86
+/* MR activation rows (1..4) against the 8 rows of one group. */
+#define KVQ_AVX2 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
+
+KVQ_AVX2 void group_q4_avx2(const uint8_t* wg, int64_t nb, int64_t bb, int has_m, const int8_t* qa,
+                            const float* da, const float* sa, int64_t K, const int MR, __m256 accf[4]) {
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const int nib_off = has_m ? 32 : 16;
+    for (int r = 0; r < MR; r++) accf[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = wg + b * bb;
+        __m256i acc16[4];
+        for (int r = 0; r < MR; r++) acc16[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + nib_off + 32 * c));
+            __m256i wlo = _mm256_and_si256(raw, low), whi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            for (int r = 0; r < MR; r++) {
+                const int8_t* a = qa + r * K + b * QK;
+                __m256i alo = _mm256_set1_epi32(*(const int32_t*)(a + 4 * c));
+                __m256i ahi = _mm256_set1_epi32(*(const int32_t*)(a + 16 + 4 * c));
+                /* u8 (0..15) x s8 pairs: |sum| <= 8 steps * 2 * 15 * 127 < 2^15, no saturation */
+                acc16[r] = _mm256_add_epi16(acc16[r], _mm256_maddubs_epi16(wlo, alo));
+                acc16[r] = _mm256_add_epi16(acc16[r], _mm256_maddubs_epi16(whi, ahi));
+            }
+        }
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
+        __m256 mw = has_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16)))
+                          : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
+        for (int r = 0; r < MR; r++) {
+            const int64_t ab = r * (K / QK) + b;
+            __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc16[r], ones));
+            accf[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(da[ab])), accf[r]);
+            accf[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sa[ab]), accf[r]);
+        }
+    }
+}
+
+KVQ_AVX2 void group_q8_avx2(const uint8_t* wg, int64_t nb, const int8_t* qa, const float* da, int64_t K,
+                            const int MR, __m256 accf[4]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < MR; r++) accf[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = wg + b * 272;
+        __m256i acc32[4];
+        for (int r = 0; r < MR; r++) acc32[r] = _mm256_setzero_si256();
+        for (int st = 0; st < 8; st++) {
+            __m256i w = _mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * st));
+            __m256i wabs = _mm256_sign_epi8(w, w);
+            for (int r = 0; r < MR; r++) {
+                __m256i a = _mm256_set1_epi32(*(const int32_t*)(qa + r * K + b * QK + 4 * st));
+                /* |w| x sign(a, w): pairs <= 2 * 127 * 127 < 2^15 */
+                __m256i p16 = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(a, w));
+                acc32[r] = _mm256_add_epi32(acc32[r], _mm256_madd_epi16(p16, ones));
+            }
+        }
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
+        for (int r = 0; r < MR; r++) {
+            __m256 dot = _mm256_cvtepi32_ps(acc32[r]);
+            accf[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(da[r * (K / QK) + b])), accf[r]);
+        }
+    }
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void tile_avx2(int wtype, const uint8_t* wg, int64_t nb, const int8_t* qa, const float* da,
+                      const float* sa, int64_t K, int MR, float out[4][NR]) {
+    const int64_t bb = kvq_block_bytes(wtype);
+    __m256 accf[4];
+    if (wtype == KVQ_Q8_0) {
+        switch (MR) {
+            case 4: group_q8_avx2(wg, nb, qa, da, K, 4, accf); break;
+            case 3: group_q8_avx2(wg, nb, qa, da, K, 3, accf); break;
+            case 2: group_q8_avx2(wg, nb, qa, da, K, 2, accf); break;
+            default: group_q8_avx2(wg, nb, qa, da, K, 1, accf); break;
+        }
+    } else {
+    const int has_m = wtype == KVQ_Q4_1;
+    switch (MR) {
+        case 4: group_q4_avx2(wg, nb, bb, has_m, qa, da, sa, K, 4, accf); break;
+        case 3: group_q4_avx2(wg, nb, bb, has_m, qa, da, sa, K, 3, accf); break;
+        case 2: group_q4_avx2(wg, nb, bb, has_m, qa, da, sa, K, 2, accf); break;
+        default: group_q4_avx2(wg, nb, bb, has_m, qa, da, sa, K, 1, accf); break;
+    }
+    }
+    for (int r = 0; r < MR; r++) _mm256_storeu_ps(out[r], accf[r]);
+}
+#endif
+
+/* Rows n0.. of one group (at most 8) for activation rows m0..m0+MR-1. */
+static void matmul_tile(int wtype, const uint8_t* wg, int64_t nb, int64_t K, int64_t n0, int64_t N,
+                        const int8_t* qa, const float* da, const float* sa, int64_t m0, int MR,
+                        void* y, int ytype, int64_t ldy, const void* add, int addtype, int64_t ldadd, int avx2) {
+    const size_t ysz = ytype == KVQ_BF16 ? 2 : 4, asz = addtype == KVQ_BF16 ? 2 : 4;
+    const int64_t count = N - n0 < NR ? N - n0 : NR;
+    float acc[4][NR];
+#ifdef KVQ_X86
+    if (avx2) tile_avx2(wtype, wg, nb, qa + m0 * K, da + m0 * nb, sa + m0 * nb, K, MR, acc);
+#endif
+    if (!avx2)
+        for (int r = 0; r < MR; r++)
+            group_dot_scalar(wtype, wg, nb, qa + (m0 + r) * K, da + (m0 + r) * nb, sa + (m0 + r) * nb, acc[r]);
+    for (int r = 0; r < MR; r++) {
+        void* yrow = (char*)y + (size_t)(m0 + r) * ldy * ysz;
+        const void* arow = add ? (const char*)add + (size_t)(m0 + r) * ldadd * asz : NULL;
+        for (int64_t i = 0; i < count; i++)
+            store_y(yrow, ytype, n0 + i, acc[r][i] + (arow ? load_x(arow, addtype, n0 + i) : 0.f));
+    }
+}
+
+/* ---- the public matmul ---------------------------------------------------- */
+
+/* y[m, n] = sum_k x[m, k] * W[n, k] (+ add[m, n]) for m < M, n < N.
+ * w: packed weights of N rows (padded to a multiple of 8), K inputs (K % 32 == 0).
+ * x: [M, ldx] f32 or bf16, transformed per row by xop (KVQ_X_*; norm_w: [K] for RMS_NORM;
+ * SWIGLU reads 2K columns); y: [M, ldy]; add: [M, ldadd] or NULL.
+ * scratch: at least M * K + 8 * M * K / 32 bytes (the quantized activations). */
+void kvq_matmul(int wtype, const uint8_t* w, int64_t N, int64_t K, const void* x, int xtype, int64_t ldx,
+                int xop, const void* norm_w, float eps,
+                int64_t M, void* y, int ytype, int64_t ldy, const void* add, int addtype, int64_t ldadd,
+                uint8_t* scratch) {
+    const int64_t nb = K / QK, bb = kvq_block_bytes(wtype), groups = (N + NR - 1) / NR;
+    int8_t* qa = (int8_t*)scratch;
+    float* da = (float*)(scratch + M * K);
+    float* sa = da + M * nb;
+    const int avx2 = !g_force_scalar && kvq_has_avx2();
+    /* Groups of rows in chunks small enough to keep a chunk's weights in L1 while
+     * every activation row passes over them; dynamic, so a thread preempted on a
+     * shared machine holds up one chunk, not a static half of the work. */
+    const int64_t chunk = 4;
+    #pragma omp parallel
+    {
+        quantize_rows(x, xtype, M, K, ldx, xop, norm_w, eps, qa, da, sa, avx2);  /* ends in a barrier */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
+            const int64_t g1 = g0 + chunk < groups ? g0 + chunk : groups;
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int MR = (int)(M - m0 < 4 ? M - m0 : 4);
+                for (int64_t g = g0; g < g1; g++)
+                    matmul_tile(wtype, w + g * nb * bb, nb, K, g * NR, N, qa, da, sa, m0, MR, y, ytype, ldy,
+                                add, addtype, ldadd, avx2);
+            }
+        }
+    }
+}
+
+int64_t kvq_scratch_bytes(int64_t M, int64_t K) { return M * K + 8 * M * (K / QK); }
+
+/* Rows `rows[i]` of packed W dequantized into y[i, :K] (an embedding lookup). */
+void kvq_dequantize_rows(int wtype, const uint8_t* w, int64_t K, const int64_t* rows, int64_t num_rows,
+                         void* y, int ytype) {
+    const int64_t nb = K / QK, bb = kvq_block_bytes(wtype);
+    #pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < num_rows; i++) {
+        const int64_t g = rows[i] / NR, r = rows[i] % NR;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t* blk = w + (g * nb + b) * bb;
+            float dw = fp16_to_f32(((const uint16_t*)blk)[r]);
+            for (int j = 0; j < QK; j++) {
+                float v;
+                if (wtype == KVQ_Q8_0) {
+                    v = dw * (float)((const int8_t*)(blk + 16))[(j / 4) * 32 + 4 * r + j % 4];
+                } else {
+                    const uint8_t* nib = blk + (wtype == KVQ_Q4_1 ? 32 : 16);
+                    int jj = j % 16, byte = nib[(jj / 4) * 32 + 4 * r + jj % 4];
+                    int q = j < 16 ? (byte & 0xf) : (byte >> 4);
+                    v = wtype == KVQ_Q4_1 ? dw * (float)q + fp16_to_f32(((const uint16_t*)blk)[8 + r])
+                                          : dw * (float)(q - 8);
+                }
+                store_y(y, ytype, i * K + b * QK + j, v);
+            }
+        }
+    }
+}
+
+/* ---- the rest of a decoder step ------------------------------------------- */
+
+/* RoPE (rotate-half layout) on q and k of every token, in place in qkv, then
+ * k and v written to the layer's paged cache at their slots.
+ * qkv: [T, (H + 2 Hkv) * D] (row stride ldq); cos/sin: [max_pos, D] of qkv's dtype;
+ * cache: [slots, 2, Hkv, D] of qkv's dtype. */
+void kvq_rope_write_kv(void* qkv, int dtype, int64_t T, int64_t ldq, const int64_t* positions,
+                       const void* cos, const void* sin, const int64_t* slots, void* cache,
+                       int64_t H, int64_t Hkv, int64_t D) {
+    const int64_t half = D / 2;
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t pos = positions[t];
+        for (int64_t head = 0; head < H + Hkv; head++) {
+            const int64_t base = t * ldq + head * D;
+            float x[D];
+            for (int64_t i = 0; i < D; i++) x[i] = load_x(qkv, dtype, base + i);
+            for (int64_t i = 0; i < D; i++) {
+                float rot = i < half ? -x[i + half] : x[i - half];
+                float c = load_x(cos, dtype, pos * D + i), s = load_x(sin, dtype, pos * D + i);
+                store_y(qkv, dtype, base + i, x[i] * c + rot * s);
+            }
+        }
+        const size_t esz = dtype == KVQ_BF16 ? 2 : 4;
+        char* dst = (char*)cache + (size_t)slots[t] * 2 * Hkv * D * esz;
+        const char* src = (const char*)qkv + (size_t)(t * ldq + H * D) * esz;
+        memcpy(dst, src, (size_t)2 * Hkv * D * esz);  /* k then v, as the cache's [2, Hkv, D] */
+    }
+}
+
+/* Attention of one query per sequence over its whole cached context (decode):
+ * q: [B, H * D] (row stride ldq); out: [B, H * D]; the context of sequence b is
+ * its first context_lens[b] positions, position p at slot
+ * block_table[b, p / block_size] * block_size + p % block_size. GQA: query head
+ * h reads KV head h / (H / Hkv). Reads K/V in place, a tile of positions at a
+ * time with an online softmax, so memory does not grow with the context. */
+#define KVQ_TILE 32
+#define KVQ_MAX_GROUP 16
+#define KVQ_MAX_D 256
+__attribute__((target_clones("avx2", "default")))
+static void attend_one(const float* qs, int64_t group, int64_t D, const char* cache, int dtype, int64_t Hkv,
+                       int64_t kvh, const int64_t* blocks, int64_t block_size, int64_t L, float* acc) {
+    const size_t esz = dtype == KVQ_BF16 ? 2 : 4, slot_bytes = (size_t)2 * Hkv * D * esz;
+    float mx[KVQ_MAX_GROUP], den[KVQ_MAX_GROUP], sc[KVQ_MAX_GROUP][KVQ_TILE], kv[KVQ_TILE][KVQ_MAX_D];
+    for (int64_t g = 0; g < group; g++) { mx[g] = -INFINITY; den[g] = 0.f; }
+    for (int64_t i = 0; i < group * D; i++) acc[i] = 0.f;
+    for (int64_t p0 = 0; p0 < L; p0 += KVQ_TILE) {
+        const int64_t n = L - p0 < KVQ_TILE ? L - p0 : KVQ_TILE;
+        const char* rows[KVQ_TILE];
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t p = p0 + j;
+            rows[j] = cache + (size_t)(blocks[p / block_size] * block_size + p % block_size) * slot_bytes
+                      + (size_t)kvh * D * esz;
+        }
+        for (int64_t j = 0; j < n; j++) {  /* keys of the tile, as float */
+            if (dtype == KVQ_BF16) for (int64_t i = 0; i < D; i++) kv[j][i] = bf16_to_f32(((const uint16_t*)rows[j])[i]);
+            else memcpy(kv[j], rows[j], D * sizeof(float));
+        }
+        for (int64_t g = 0; g < group; g++) {
+            const float* qg = qs + g * D;
+            float tile_max = mx[g];
+            for (int64_t j = 0; j < n; j++) {
+                float dot = 0.f;
+                #pragma omp simd reduction(+:dot)
+                for (int64_t i = 0; i < D; i++) dot += qg[i] * kv[j][i];
+                sc[g][j] = dot;
+                tile_max = dot > tile_max ? dot : tile_max;
+            }
+            const float corr = expf(mx[g] - tile_max);
+            den[g] *= corr;
+            for (int64_t i = 0; i < D; i++) acc[g * D + i] *= corr;
+            mx[g] = tile_max;
+            for (int64_t j = 0; j < n; j++) { sc[g][j] = expf(sc[g][j] - tile_max); den[g] += sc[g][j]; }
+        }
+        for (int64_t j = 0; j < n; j++) {  /* values of the tile */
+            const char* vrow = rows[j] + (size_t)Hkv * D * esz;
+            if (dtype == KVQ_BF16) for (int64_t i = 0; i < D; i++) kv[j][i] = bf16_to_f32(((const uint16_t*)vrow)[i]);
+            else memcpy(kv[j], vrow, D * sizeof(float));
+        }
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t j = 0; j < n; j++) {
+                const float e = sc[g][j];
+                float* ag = acc + g * D;
+                for (int64_t i = 0; i < D; i++) ag[i] += e * kv[j][i];
+            }
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t i = 0; i < D; i++) acc[g * D + i] /= den[g];
+}
+
+/* 0 when the shapes fit the kernel's fixed buffers, else -1 (nothing written). */
+int kvq_decode_attention(const void* q, int dtype, int64_t ldq, const void* cache, const int64_t* block_table,
+                         int64_t max_blocks, const int64_t* context_lens, int64_t block_size, int64_t B,
+                         int64_t H, int64_t Hkv, int64_t D, float scale, void* out) {
+    const int64_t group = H / Hkv;
+    if (group > KVQ_MAX_GROUP || D > KVQ_MAX_D) return -1;
+    #pragma omp parallel for schedule(dynamic, 1) collapse(2)
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+            float qs[KVQ_MAX_GROUP * KVQ_MAX_D], acc[KVQ_MAX_GROUP * KVQ_MAX_D];
+            for (int64_t i = 0; i < group * D; i++) qs[i] = load_x(q, dtype, b * ldq + kvh * group * D + i) * scale;
+            attend_one(qs, group, D, (const char*)cache, dtype, Hkv, kvh, block_table + b * max_blocks, block_size,
+                       context_lens[b], acc);
+            for (int64_t i = 0; i < group * D; i++) store_y(out, dtype, b * H * D + kvh * group * D + i, acc[i]);
+        }
+    }
+    return 0;
+}

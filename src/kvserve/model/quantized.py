@@ -1,0 +1,315 @@
+"""Weights that stay quantized in memory (GGUF Q8_0 / Q4_0 / Q4_1) and the
+CPU kernels that compute on them (csrc/kvq_kernels.c, built by `make install`
+into kvserve/model/_kvq.so and called through ctypes, which releases the GIL
+for the whole call).
+
+`QuantizedWeight` holds one [N, K] weight in the kernels' 8-row interleaved
+layout (the same bytes per block as the GGUF file, reordered once at load)
+and computes `x @ W.T` with x in float32 or bfloat16: activations are
+quantized to int8 per block of 32 inside the call, weights are never
+expanded. Why this kernel and not torch's int8/int4 ops, torchao or a ggml
+binding: docs/quantization.md (the kernel comparison).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kvserve.config import QUANTIZATION_CHOICES
+
+log = logging.getLogger(__name__)
+
+BLOCK = 32  # inputs per quantization block, every supported type
+ROWS_PER_GROUP = 8  # output rows interleaved by the kernels' layout
+# name -> (ggml type id, GGUF bytes per block, kernel bytes per block of 8 rows)
+QUANT_TYPES = {"q4_0": (2, 18, 144), "q4_1": (3, 20, 160), "q8_0": (8, 34, 272)}
+_ACT_TYPES = {torch.float32: 0, torch.bfloat16: 1}
+_XOP_PLAIN, _XOP_RMS_NORM, _XOP_SWIGLU = 0, 1, 2  # csrc's KVQ_X_*
+LIBRARY_PATH = Path(__file__).with_name("_kvq.so")
+
+
+# Matrices an explicit Q4 request stores as Q8_0, as llama.cpp's Q4 files do:
+# the embedding table (and tied LM head) is read row by row and costs little.
+_TABLES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+class KernelUnavailable(ValueError):
+    """The quantized kernels cannot run here (library not built, not a CPU
+    device, or a shape they do not take)."""
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if not LIBRARY_PATH.exists():
+        return None
+    lib = ctypes.CDLL(str(LIBRARY_PATH))  # CDLL, not PyDLL: calls release the GIL
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    f32 = ctypes.c_float
+    lib.kvq_matmul.argtypes = [i32, ptr, i64, i64, ptr, i32, i64, i32, ptr, f32,
+                               i64, ptr, i32, i64, ptr, i32, i64, ptr]
+    lib.kvq_matmul.restype = None
+    lib.kvq_rope_write_kv.argtypes = [ptr, i32, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
+    lib.kvq_rope_write_kv.restype = None
+    lib.kvq_decode_attention.argtypes = [ptr, i32, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, ptr]
+    lib.kvq_decode_attention.restype = i32
+    lib.kvq_dequantize_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32]
+    lib.kvq_dequantize_rows.restype = None
+    lib.kvq_scratch_bytes.argtypes = [i64, i64]
+    lib.kvq_scratch_bytes.restype = i64
+    lib.kvq_set_isa.argtypes = [i32]
+    lib.kvq_set_isa.restype = i32
+    lib.kvq_set_isa(int(os.environ.get("KVSERVE_KVQ_PORTABLE", "0") == "1"))
+    return lib
+
+
+def kernels_available() -> bool:
+    return _library() is not None
+
+
+def require_kernels() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise KernelUnavailable(f"the quantized CPU kernels are not built ({LIBRARY_PATH} is missing); "
+                                "run `make install` (needs gcc), or use --quantization none")
+    return lib
+
+
+def kernel_isa() -> str:
+    """'avx2' or 'portable': the code path the kernels take on this CPU."""
+    lib = require_kernels()
+    return "avx2" if lib.kvq_set_isa(int(os.environ.get("KVSERVE_KVQ_PORTABLE", "0") == "1")) == 2 else "portable"
+
+
+def set_portable(portable: bool) -> str:
+    """Pin the portable C path (True) or let the CPU pick (False); tests run both."""
+    return "avx2" if require_kernels().kvq_set_isa(int(portable)) == 2 else "portable"
+
+
+def pack_gguf_rows(qtype: str, rows: np.ndarray) -> Tensor:
+    """GGUF blocks [N, K / 32 * block bytes] (uint8) -> the kernels' layout, a flat
+    uint8 tensor of ceil(N / 8) groups; padding rows have zero scales."""
+    _, gguf_bytes, _ = QUANT_TYPES[qtype]
+    num_rows = rows.shape[0]
+    nb = rows.shape[1] // gguf_bytes
+    pad = -num_rows % ROWS_PER_GROUP
+    blocks = np.ascontiguousarray(rows, dtype=np.uint8).reshape(num_rows, nb, gguf_bytes)
+    if pad:
+        blocks = np.concatenate([blocks, np.zeros((pad, nb, gguf_bytes), np.uint8)])
+    groups = blocks.reshape(-1, ROWS_PER_GROUP, nb, gguf_bytes).transpose(0, 2, 1, 3)  # [G, nb, 8, bytes]
+    num_scales = 2 if qtype == "q4_1" else 1
+    scales = groups[..., :2 * num_scales].reshape(*groups.shape[:3], num_scales, 2)
+    scales = scales.transpose(0, 1, 3, 2, 4).reshape(*groups.shape[:2], -1)  # d[8] then m[8]
+    quants = groups[..., 2 * num_scales:]  # [G, nb, 8 rows, 32 (q8) or 16 (q4) bytes]
+    # Per step of 4 inputs, the 8 rows side by side: [G, nb, steps, 8 rows, 4]
+    steps = quants.reshape(*quants.shape[:3], -1, 4).transpose(0, 1, 3, 2, 4)
+    packed = np.concatenate([scales, steps.reshape(*groups.shape[:2], -1)], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
+
+
+def unpack_gguf_rows(qtype: str, packed: Tensor, num_rows: int, in_features: int) -> np.ndarray:
+    """The inverse of `pack_gguf_rows`: GGUF blocks [num_rows, bytes per row]."""
+    _, gguf_bytes, group_bytes = QUANT_TYPES[qtype]
+    nb = in_features // BLOCK
+    groups = packed.numpy().reshape(-1, nb, group_bytes)
+    num_scales = 2 if qtype == "q4_1" else 1
+    scales = groups[..., :16 * num_scales].reshape(*groups.shape[:2], num_scales, ROWS_PER_GROUP, 2)
+    steps = groups[..., 16 * num_scales:].reshape(*groups.shape[:2], -1, ROWS_PER_GROUP, 4)
+    rows = np.concatenate([scales.transpose(0, 1, 3, 2, 4).reshape(*groups.shape[:2], ROWS_PER_GROUP, -1),
+                           steps.transpose(0, 1, 3, 2, 4).reshape(*groups.shape[:2], ROWS_PER_GROUP, -1)],
+                          axis=-1)  # [G, nb, 8, gguf bytes]
+    return np.ascontiguousarray(rows.transpose(0, 2, 1, 3).reshape(-1, nb * gguf_bytes)[:num_rows])
+
+
+def quantize_rows(qtype: str, weight: np.ndarray) -> np.ndarray:
+    """Float [N, K] -> GGUF blocks of `qtype` [N, K / 32 * block bytes], with the
+    gguf package's reference quantizer (the same rounding as llama.cpp's)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    return quantize(np.ascontiguousarray(weight, dtype=np.float32), GGMLQuantizationType[qtype.upper()])
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """One [out_features, in_features] weight kept quantized (kernel layout)."""
+
+    qtype: str
+    packed: Tensor  # flat uint8, ceil(N / 8) * K / 32 * group block bytes
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def from_gguf_rows(cls, qtype: str, rows: np.ndarray, in_features: int) -> "QuantizedWeight":
+        if qtype not in QUANT_TYPES:
+            raise ValueError(f"unsupported quantization {qtype!r}; supported: {', '.join(QUANT_TYPES)}")
+        if in_features % BLOCK:
+            raise ValueError(f"in_features {in_features} is not a multiple of the {BLOCK}-wide blocks")
+        return cls(qtype, pack_gguf_rows(qtype, rows), rows.shape[0], in_features)
+
+    @classmethod
+    def from_float(cls, qtype: str, weight: Tensor) -> "QuantizedWeight":
+        """Quantize a float [N, K] weight (requantizing: it may itself come from a GGUF)."""
+        if weight.dim() != 2 or weight.shape[1] % BLOCK:
+            raise ValueError(f"a quantized weight is [N, K] with K a multiple of {BLOCK}; got {list(weight.shape)}")
+        return cls.from_gguf_rows(qtype, quantize_rows(qtype, weight.float().numpy()), weight.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    def matmul(self, x: Tensor, add: Tensor | None = None, *, norm: "tuple[Tensor, float] | None" = None,
+               swiglu: bool = False, out: Tensor | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
+        """x: [M, K] float32/bfloat16 (rows may be strided) -> f(x) @ W.T [M, N] (+ add),
+        with f applied to each row inside the kernel: rms_norm with norm = (weight [K],
+        eps), or swiglu: x is [M, 2K] (gate, up) and f = silu(gate) * up.
+        add: [M, N] added to the product (a fused residual); out: an [M, N]
+        destination (may be a column slice of a wider buffer)."""
+        lib = require_kernels()
+        m, k = x.shape[0], self.in_features
+        _check_operand(x, "x", (m, 2 * k if swiglu else k))
+        if out is None:
+            out = torch.empty((m, self.out_features), dtype=out_dtype or x.dtype)
+        _check_operand(out, "out", (m, self.out_features))
+        if add is not None:
+            _check_operand(add, "add", (m, self.out_features))
+        xop, norm_weight, eps = _XOP_PLAIN, None, 0.0
+        if norm is not None:
+            xop, (norm_weight, eps) = _XOP_RMS_NORM, norm
+            if norm_weight.dtype != x.dtype or norm_weight.shape != (k,) or not norm_weight.is_contiguous():
+                raise ValueError(f"norm weight must be a contiguous [{k}] tensor of x's dtype")
+        elif swiglu:
+            xop = _XOP_SWIGLU
+        if m == 0:
+            return out
+        scratch = torch.empty(lib.kvq_scratch_bytes(m, k), dtype=torch.uint8)
+        lib.kvq_matmul(QUANT_TYPES[self.qtype][0], self.packed.data_ptr(), self.out_features, k,
+                       x.data_ptr(), _ACT_TYPES[x.dtype], x.stride(0), xop,
+                       None if norm_weight is None else norm_weight.data_ptr(), eps, m,
+                       out.data_ptr(), _ACT_TYPES[out.dtype], out.stride(0),
+                       None if add is None else add.data_ptr(), 0 if add is None else _ACT_TYPES[add.dtype],
+                       0 if add is None else add.stride(0), scratch.data_ptr())
+        return out
+
+    def rows(self, indices: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Dequantized rows [len(indices), K] (an embedding lookup)."""
+        lib = require_kernels()
+        idx = indices.to(torch.int64).contiguous()
+        out = torch.empty((idx.numel(), self.in_features), dtype=dtype)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.out_features):
+            raise IndexError(f"row index out of range [0, {self.out_features})")
+        lib.kvq_dequantize_rows(QUANT_TYPES[self.qtype][0], self.packed.data_ptr(), self.in_features,
+                                idx.data_ptr(), idx.numel(), out.data_ptr(), _ACT_TYPES[dtype])
+        return out
+
+    def dequantize(self) -> Tensor:
+        """The whole weight as float32 [N, K] (tests and the float fallback)."""
+        return self.rows(torch.arange(self.out_features))
+
+    def gguf_rows(self) -> np.ndarray:
+        """The weight back in GGUF blocks [N, bytes per row]."""
+        return unpack_gguf_rows(self.qtype, self.packed, self.out_features, self.in_features)
+
+    @classmethod
+    def concat(cls, parts: "list[QuantizedWeight]") -> "QuantizedWeight":
+        """Stack weights of one type and input size along the output rows
+        (q, k, v -> qkv): one kernel call instead of several."""
+        qtype, in_features = parts[0].qtype, parts[0].in_features
+        if any(p.qtype != qtype or p.in_features != in_features for p in parts):
+            raise ValueError("only weights of one quantization type and input size concatenate")
+        if all(p.out_features % ROWS_PER_GROUP == 0 for p in parts[:-1]):
+            packed = torch.cat([p.packed for p in parts])  # whole groups: bytes stack as they are
+            return cls(qtype, packed, sum(p.out_features for p in parts), in_features)
+        return cls.from_gguf_rows(qtype, np.concatenate([p.gguf_rows() for p in parts]), in_features)
+
+
+def activation_type(dtype: torch.dtype) -> int:
+    """The kernels' code for an activation dtype (float32 or bfloat16)."""
+    if dtype not in _ACT_TYPES:
+        raise TypeError(f"the native kernels take float32 or bfloat16, got {dtype}")
+    return _ACT_TYPES[dtype]
+
+
+def _check_operand(t: Tensor, name: str, shape: tuple[int, int]) -> None:
+    if t.device.type != "cpu":
+        raise KernelUnavailable(f"quantized kernels run on CPU tensors; {name} is on {t.device}")
+    if t.dtype not in _ACT_TYPES:
+        raise TypeError(f"{name} must be float32 or bfloat16, got {t.dtype}")
+    if tuple(t.shape) != shape or t.stride(1) != 1:
+        raise ValueError(f"{name} must be a row-major {list(shape)} tensor, got {list(t.shape)} "
+                         f"strides {t.stride()}")
+
+
+def check_quantization(quantization: str) -> str:
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}; got {quantization!r}")
+    return quantization
+
+
+def prepare_weights(weights: dict, quantization: str, device: torch.device) -> dict:
+    """The weights the model computes with, for `--quantization`:
+
+    - "none": every matrix as a float tensor (QuantizedWeights dequantized);
+    - "auto": as given (the file's quantized matrices stay quantized), except
+      where the kernels cannot run (not CPU, not built): float, one log line;
+    - "q8_0" / "q4_0" / "q4_1": every matrix in that type, requantized from its
+      float values where it is stored otherwise; Q4 requests keep the embedding
+      table in Q8_0. Refuses (KernelUnavailable) where the kernels cannot run.
+    """
+    check_quantization(quantization)
+    has_quantized = any(isinstance(w, QuantizedWeight) for w in weights.values())
+    if quantization == "none" or (quantization == "auto" and not has_quantized):
+        return _dequantized(weights)
+    problem = _kernel_problem(device)
+    if problem is not None:
+        if quantization != "auto":
+            raise KernelUnavailable(f"--quantization {quantization}: {problem}; use --quantization none "
+                                    "(the float path) or auto")
+        log.warning("quantized weights computed in float (the kernels cannot run: %s); "
+                    "resident weights grow to float size", problem)
+        return _dequantized(weights)
+    if quantization == "auto":
+        return dict(weights)
+    return _requantized(weights, quantization)
+
+
+def _kernel_problem(device: torch.device) -> str | None:
+    if device.type != "cpu":
+        return f"the quantized kernels run on the CPU, not on {device.type}"
+    if not kernels_available():
+        return f"the quantized CPU kernels are not built ({LIBRARY_PATH.name} missing; run `make install`)"
+    return None
+
+
+def _dequantized(weights: dict) -> dict:
+    return {name: w.dequantize() if isinstance(w, QuantizedWeight) else w for name, w in weights.items()}
+
+
+def _requantized(weights: dict, quantization: str) -> dict:
+    out, converted = {}, []
+    for name, w in weights.items():
+        target = "q8_0" if quantization != "q8_0" and name in _TABLES else quantization
+        is_matrix = isinstance(w, QuantizedWeight) or (w.dim() == 2 and w.shape[1] % BLOCK == 0)
+        if not is_matrix or (isinstance(w, QuantizedWeight) and w.qtype == target):
+            out[name] = w
+            continue
+        source = w.qtype if isinstance(w, QuantizedWeight) else str(w.dtype).removeprefix("torch.")
+        out[name] = QuantizedWeight.from_float(target, w.dequantize() if isinstance(w, QuantizedWeight) else w)
+        converted.append(f"{source}->{target}")
+    if converted:
+        counts = {c: converted.count(c) for c in sorted(set(converted))}
+        log.info("--quantization %s: requantized %s", quantization,
+                 ", ".join(f"{n} matrices {c}" for c, n in counts.items()))
+    return out

@@ -249,3 +249,21 @@ def test_quantized_default_model_agrees_with_the_float_path():
 
 def _prefix_len(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_plan_reports_the_resident_bytes_of_the_quantized_and_the_float_engine(capsys):
+    import json
+
+    from kvserve import LLM
+    from kvserve.cli import main
+    from kvserve.model_facts.default_model import default_model_path
+
+    assert main(["plan", "--model", str(default_model_path()), "--memory", "2GiB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    fallback = plan["float_fallback"]
+    for quantization, planned in (("auto", plan["weight_bytes"]), ("none", fallback["weight_bytes"])):
+        llm = LLM(quantization=quantization, device="cpu", kv_cache_memory="16MiB")
+        assert llm.engine.runner.weight_bytes == planned, quantization
+    # The bytes the quantized weights free are KV capacity: more sequences at every context.
+    for ours, theirs in zip(plan["max_concurrency"], fallback["max_concurrency"]):
+        assert ours["max_concurrency"] > theirs["max_concurrency"]

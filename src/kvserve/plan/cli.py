@@ -157,12 +157,30 @@ def build_plan(args: argparse.Namespace) -> dict:
         "kv_capacity_tokens": cap.kv_capacity_tokens,
         "max_concurrency": [_row_json(r) for r in table],
         "context_shift": None, "queueing": None, "replicas": None,
+        "float_fallback": _float_fallback_json(args, spec, contexts),
     }
     if not cap.budget.fits:
         return plan
     plan["context_shift"] = _shift_json(args, cap) if args.shift else None
     plan["queueing"], plan["replicas"] = _queueing_json(args, cap)
     return plan
+
+
+def _float_fallback_json(args: argparse.Namespace, spec: ModelSpec, contexts) -> dict | None:
+    """For a model file planned at its own bytes: the same memory with the
+    weights dequantized to float32 (`kvserve serve --quantization none`, or a
+    file whose types the kernels cannot compute on): the capacity a fallback
+    to the unquantized weights costs. None when a dtype was named or the
+    model is a preset."""
+    if args.dtype is not None or spec.weight_file_bytes is None:
+        return None
+    fallback = argparse.Namespace(**{**vars(args), "dtype": "float32"})
+    cap = capacity(fallback, spec, _memory_bytes(args))
+    table = kv_math.concurrency_table(cap.kv_capacity_tokens, cap.kv_bytes_per_token, contexts,
+                                      cap.block_size)
+    return {"dtype": "float32", "weight_bytes": cap.budget.weight_bytes, "kv_cache_bytes": cap.budget.kv_bytes,
+            "kv_capacity_tokens": cap.kv_capacity_tokens, "fits": cap.budget.fits,
+            "max_concurrency": [_row_json(r) for r in table]}
 
 
 def _row_json(row: kv_math.ConcurrencyRow) -> dict:
@@ -269,8 +287,21 @@ def format_plan(plan: dict) -> str:
     for row in plan["max_concurrency"]:
         lines.append(f"{row['prompt_tokens']:>8} {row['output_tokens']:>8} {row['total_tokens']:>8} "
                      f"{_gib(row['kv_bytes_per_sequence']):>12} {row['max_concurrency']:>15,}")
+    lines += _format_fallback(plan)
     lines += _format_shift(plan["context_shift"]) + _format_queueing(plan["queueing"], plan["replicas"])
     return "\n".join(lines)
+
+
+def _format_fallback(plan: dict) -> list[str]:
+    fallback = plan.get("float_fallback")
+    if not fallback:
+        return []
+    lines = ["", f"float fallback (weights dequantized to float32, --quantization none): weights "
+             f"{_gib(fallback['weight_bytes'])}, KV capacity {fallback['kv_capacity_tokens']:,} tokens",
+             f"{'total':>8} {'file weights':>14} {'float32':>10}"]
+    for ours, theirs in zip(plan["max_concurrency"], fallback["max_concurrency"]):
+        lines.append(f"{ours['total_tokens']:>8} {ours['max_concurrency']:>14,} {theirs['max_concurrency']:>10,}")
+    return lines
 
 
 def _format_shift(shift: dict | None) -> list[str]:

@@ -3,7 +3,7 @@ the same client (`vllm bench serve`, random 256 tokens in / 64 out, ignore_eos):
 kvserve (this checkout, default flags: the shipped Q4_1 GGUF computed quantized),
 llama.cpp's `llama-server` on the same GGUF, vLLM's CPU build on the same
 weights in bf16. Grid per server: single stream (c1, N=20), concurrency 8
-(c8, N=48), request rates 1 / 2 / 4 / inf (N=100), each point with its own
+(c8, N=48), request rates 1 / 2 / 4 / inf (N=100, --num-prompts), each point with its own
 dataset seed (the same seeds for every server). Server RSS is sampled (sum over
 the server's process group) through the whole grid.
 
@@ -43,7 +43,8 @@ def _server_commands(anchors: Path, checkout: Path, kvserve_args: list[str]) -> 
         "kvserve": ([str(scripts / "serve_kvserve.sh"), str(checkout), "8002", *kvserve_args],
                     None, logs / "kvserve-serve.pid", {"PORT": "8002"}),
         "llamacpp": ([str(scripts / "serve_llamacpp.sh"), str(gguf), "8001"], [str(scripts / "stop_llamacpp.sh")],
-                     logs / "llamacpp-serve.pid", {"PORT": "8001", "BACKEND": "openai", "SERVED": "smollm2-hf"}),
+                     logs / "llamacpp-serve.pid", {"PORT": "8001", "BACKEND": "openai", "SERVED": "smollm2-hf",
+                                                   "NP": "16"}),  # 16 slots: it batches concurrent requests
         "vllm": ([str(scripts / "serve_vllm.sh"), str(model_dir), "8000"], [str(scripts / "stop_vllm.sh")],
                  logs / "vllm-serve.pid", {"PORT": "8000", "BIND": "0-1", "IOMP": "1"}),
     }
@@ -161,6 +162,8 @@ def main() -> int:
                         help="the anchors work folder (scripts/, vllm-venv/, llamacpp-build/, models/, dl/)")
     parser.add_argument("--servers", default="kvserve,llamacpp,vllm", help="comma-separated, run in this order")
     parser.add_argument("--kvserve-args", default="", help="extra `kvserve serve` flags (one string)")
+    parser.add_argument("--num-prompts", type=int, default=100,
+                        help="requests per rate point (the anchors' N; c1 and c8 keep 20 and 48)")
     parser.add_argument("--kv-cache-bytes", type=int, default=2**30,
                         help="kvserve's configured KV cache, for the RSS target (bytes; default: serve's 1 GiB)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_peers.json"))
@@ -170,13 +173,14 @@ def main() -> int:
         print(f"vs_peers: skipped: no peers set up under {anchors} (see ../shared/anchors/README.md)")
         return 0
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    os.environ["N"] = str(args.num_prompts)  # read by the anchors' bench_vllm.sh for the rate points
     runs = {}
     for name in args.servers.split(","):
         print(f"=== {name} ({time.strftime('%H:%M:%S')})", file=sys.stderr, flush=True)
         runs[name] = run_server(name, anchors, ROOT, args.kvserve_args.split(), f"vs-{name}-{stamp}")
     rows = summary_rows(runs)
     print("\n".join(rows))
-    report = {"date": stamp, "machine": _machine(), "client": "vllm bench serve, random 256 in / 64 out, ignore_eos",
+    report = {"date": stamp, "num_prompts_per_rate": args.num_prompts, "machine": _machine(), "client": "vllm bench serve, random 256 in / 64 out, ignore_eos",
               "kvserve_args": args.kvserve_args, "table": rows, "targets": targets(runs, args.kv_cache_bytes),
               "runs": runs}
     Path(args.out).write_text(json.dumps(report, indent=1))

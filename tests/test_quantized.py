@@ -12,6 +12,7 @@ magnitude (checked by mutating the kernel).
 """
 
 import logging
+import time
 
 import gguf
 import numpy as np
@@ -267,3 +268,24 @@ def test_plan_reports_the_resident_bytes_of_the_quantized_and_the_float_engine(c
     # The bytes the quantized weights free are KV capacity: more sequences at every context.
     for ours, theirs in zip(plan["max_concurrency"], fallback["max_concurrency"]):
         assert ours["max_concurrency"] > theirs["max_concurrency"]
+
+
+def test_kernels_release_the_gil():
+    """The engine thread's kernels must leave the GIL to the HTTP event loop:
+    while one long call runs in a thread, the main thread never waits for it."""
+    import threading
+
+    weight = QuantizedWeight.from_float("q4_1", torch.randn(8192, 1024))
+    x = torch.randn(256, 1024)
+    t0 = time.perf_counter()
+    weight.matmul(x)
+    call_s = time.perf_counter() - t0
+    worker = threading.Thread(target=weight.matmul, args=(x,))
+    gaps, last = [], time.perf_counter()
+    worker.start()
+    while worker.is_alive():
+        now = time.perf_counter()
+        gaps.append(now - last)  # a gap as long as the call: the main thread was locked out
+        last = now
+    assert call_s > 0.02, "the call is too short to tell"
+    assert max(gaps) < call_s / 2, f"main thread blocked {max(gaps):.3f} s during a {call_s:.3f} s call"

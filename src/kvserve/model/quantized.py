@@ -83,12 +83,6 @@ def require_kernels() -> ctypes.CDLL:
     return lib
 
 
-def kernel_isa() -> str:
-    """'avx2' or 'portable': the code path the kernels take on this CPU."""
-    lib = require_kernels()
-    return "avx2" if lib.kvq_set_isa(int(os.environ.get("KVSERVE_KVQ_PORTABLE", "0") == "1")) == 2 else "portable"
-
-
 def set_portable(portable: bool) -> str:
     """Pin the portable C path (True) or let the CPU pick (False); tests run both."""
     return "avx2" if require_kernels().kvq_set_isa(int(portable)) == 2 else "portable"

@@ -96,7 +96,7 @@ def main() -> int:
     label_kernels()
     report = {"threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M"), "runs": []}
     for quantization in args.quantization.split(","):
-        for batch, context in ((1, 128), (32, 128), (1, 2048), (32, 2048)):
+        for batch, context in ((1, 128), (32, 128), (1, 2048)):
             core = decoding_engine(quantization, batch, context)
             run = {"quantization": quantization, "batch": batch, "context_tokens": context,
                    **step_ms(core, args.steps)}

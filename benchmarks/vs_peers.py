@@ -31,6 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 POINTS = {"c1": "rate-inf-c1.json", "c8": "rate-inf-c8.json", "r1": "rate-1.json", "r2": "rate-2.json",
           "r4": "rate-4.json", "rinf": "rate-inf.json"}
+# point -> (request rate, max concurrency or None, dataset seed, requests): run_grid.sh's grid
+GRID = {"r1": ("1", None, 101, None), "r2": ("2", None, 102, None), "r4": ("4", None, 104, None),
+        "rinf": ("inf", None, 109, None), "c1": ("inf", 1, 201, 20), "c8": ("inf", 8, 208, 48)}
 DEFAULT_TPOT_SLO_MS = 100.0  # kvserve serve's default --tpot-slo
 
 
@@ -76,7 +79,19 @@ def _group_rss_bytes(pgid: int) -> int:
     return total
 
 
-def run_server(name: str, anchors: Path, checkout: Path, kvserve_args: list[str], tag: str) -> dict:
+def run_points(anchors: Path, tag: str, points: list[str], env: dict) -> None:
+    """The grid's points through the anchors' bench_vllm.sh, as run_grid.sh runs them."""
+    for point in points:
+        rate, max_concurrency, seed, num_prompts = GRID[point]
+        point_env = {**env, "SEED": str(seed)}
+        if max_concurrency is not None:
+            point_env.update(MAXC=str(max_concurrency), N=str(num_prompts))
+        subprocess.run([str(anchors / "scripts" / "bench_vllm.sh"), tag, str(anchors / "models" / "smollm2-hf"),
+                        rate], check=False, env=point_env)
+
+
+def run_server(name: str, anchors: Path, checkout: Path, kvserve_args: list[str], tag: str,
+               points: list[str]) -> dict:
     start, stop, pid_file, env_extra = _server_commands(anchors, checkout, kvserve_args)[name]
     env = {**os.environ, "ANCHORS": str(anchors), **env_extra}
     t0 = time.monotonic()
@@ -86,8 +101,7 @@ def run_server(name: str, anchors: Path, checkout: Path, kvserve_args: list[str]
     sampler = RssSampler(pgid)
     sampler.start()
     try:
-        subprocess.run([str(anchors / "scripts" / "run_grid.sh"), tag, str(anchors / "models" / "smollm2-hf")],
-                       check=True, env=env)
+        run_points(anchors, tag, points, env)
     finally:
         sampler.stop.set()
         if stop is None:
@@ -162,6 +176,8 @@ def main() -> int:
                         help="the anchors work folder (scripts/, vllm-venv/, llamacpp-build/, models/, dl/)")
     parser.add_argument("--servers", default="kvserve,llamacpp,vllm", help="comma-separated, run in this order")
     parser.add_argument("--kvserve-args", default="", help="extra `kvserve serve` flags (one string)")
+    parser.add_argument("--points", default="r1,r2,r4,rinf,c1,c8",
+                        help="grid points: r1, r2, r4, rinf (open loop at 1/2/4/inf req/s), c1, c8 (closed loop)")
     parser.add_argument("--num-prompts", type=int, default=100,
                         help="requests per rate point (the anchors' N; c1 and c8 keep 20 and 48)")
     parser.add_argument("--kv-cache-bytes", type=int, default=2**30,
@@ -177,10 +193,11 @@ def main() -> int:
     runs = {}
     for name in args.servers.split(","):
         print(f"=== {name} ({time.strftime('%H:%M:%S')})", file=sys.stderr, flush=True)
-        runs[name] = run_server(name, anchors, ROOT, args.kvserve_args.split(), f"vs-{name}-{stamp}")
+        runs[name] = run_server(name, anchors, ROOT, args.kvserve_args.split(), f"vs-{name}-{stamp}",
+                                args.points.split(","))
     rows = summary_rows(runs)
     print("\n".join(rows))
-    report = {"date": stamp, "num_prompts_per_rate": args.num_prompts, "machine": _machine(), "client": "vllm bench serve, random 256 in / 64 out, ignore_eos",
+    report = {"date": stamp, "num_prompts_per_rate": args.num_prompts, "points": args.points, "machine": _machine(), "client": "vllm bench serve, random 256 in / 64 out, ignore_eos",
               "kvserve_args": args.kvserve_args, "table": rows, "targets": targets(runs, args.kv_cache_bytes),
               "runs": runs}
     Path(args.out).write_text(json.dumps(report, indent=1))

@@ -6,10 +6,11 @@ import random
 
 import pytest
 
+from kvserve.admission.busy_rate import BusyRate
+from kvserve.admission.controller import AdmissionController
+from kvserve.admission.decision import AdmissionRequest, Outcome
+from kvserve.admission.quotas import TenantLimits
 from kvserve.config import AdmissionConfig
-from kvserve.scheduler.admission import (
-    ADMIT, DEGRADE, REJECT, AdmissionController, AdmissionRequest, BusyRate, TenantLimits,
-)
 
 
 class FakeClock:
@@ -44,7 +45,7 @@ def admit(ctl, request):
 def test_never_fits_is_400_and_prefix_hit_counts():
     ctl, _ = make(num_blocks=4, block_size=16)
     too_big = ctl.check(req(prompt=60, max_tokens=10))
-    assert (too_big.outcome, too_big.status, too_big.reason) == (REJECT, 400, "never_fits")
+    assert (too_big.outcome, too_big.status, too_big.reason) == (Outcome.REJECT, 400, "never_fits")
     assert too_big.retry_after_s is None
     # The same request with most of its prompt already cached fits.
     assert ctl.check(req(prompt=60, max_tokens=10, num_cached_tokens=16)).admitted
@@ -88,9 +89,9 @@ def test_measured_drain_rate_decides_the_wait():
     _run_drain(slow, slow_clock, finish_every_s=2.0)
     assert fast.expected_wait_s(req())[0] < slow.expected_wait_s(req())[0]
     # The same queue ahead: the fast drain admits, the slow one refuses.
-    assert fast.check(req()).outcome == ADMIT
+    assert fast.check(req()).outcome == Outcome.ADMIT
     slow_out = slow.check(req())
-    assert slow_out.outcome == REJECT and slow_out.reason == "kv_cache" and slow_out.retry_after_s >= 1
+    assert slow_out.outcome == Outcome.REJECT and slow_out.reason == "kv_cache" and slow_out.retry_after_s >= 1
 
 
 def test_idle_time_does_not_decay_the_drain_rate():
@@ -117,8 +118,8 @@ def test_urgent_class_skips_queued_deferred_work():
     ctl, _ = make(num_blocks=10, block_size=16, max_queue_wait_s=1.0)
     for _ in range(10):  # fill the cache and the cold queue allowance with deferred work
         admit(ctl, req(priority=1))
-    assert ctl.check(req(priority=1)).outcome == REJECT
-    assert ctl.check(req(priority=0)).outcome == ADMIT
+    assert ctl.check(req(priority=1)).outcome == Outcome.REJECT
+    assert ctl.check(req(priority=0)).outcome == Outcome.ADMIT
 
 
 def test_tenant_concurrency_quota():
@@ -166,12 +167,12 @@ def test_degrade_caps_max_tokens_instead_of_refusing():
         admit(ctl, req(prompt=16, max_tokens=16))  # 18 of 20 allowed cold blocks
     long = req(prompt=16, max_tokens=64)  # 5 blocks would not fit, 2 blocks do
     d = ctl.check(long)
-    assert d.outcome == DEGRADE and d.max_tokens == 16
+    assert d.outcome == Outcome.DEGRADE and d.max_tokens == 16
     ctl.admit(long, d)
     no_degrade, _ = make(num_blocks=10, block_size=16)
     for _ in range(9):
         admit(no_degrade, req(prompt=16, max_tokens=16))
-    assert no_degrade.check(req(prompt=16, max_tokens=64)).outcome == REJECT
+    assert no_degrade.check(req(prompt=16, max_tokens=64)).outcome == Outcome.REJECT
 
 
 def test_degrade_counts_queueing_not_the_latency_of_being_scheduled():
@@ -179,15 +180,15 @@ def test_degrade_counts_queueing_not_the_latency_of_being_scheduled():
     ctl, clock = make(num_blocks=100, block_size=16, max_num_seqs=4, degrade_wait_s=0.0,
                       degrade_max_tokens=5)
     first = req(max_tokens=10)
-    assert admit(ctl, first).outcome == ADMIT
+    assert admit(ctl, first).outcome == Outcome.ADMIT
     clock.now += 0.02  # it took 20 ms to be scheduled: a start latency, not a queue
     ctl.on_start(first.request_id)
     clock.now += 1.0
     ctl.on_finish(first.request_id)  # and a drain rate is measured
     assert ctl.expected_wait_s(req(max_tokens=10))[0] > 0
     free_slots = [admit(ctl, req(max_tokens=10)).outcome for _ in range(4)]
-    assert free_slots == [ADMIT] * 4
-    assert ctl.check(req(max_tokens=10)).outcome == DEGRADE  # all four slots are taken
+    assert free_slots == [Outcome.ADMIT] * 4
+    assert ctl.check(req(max_tokens=10)).outcome == Outcome.DEGRADE  # all four slots are taken
 
 
 def test_queue_timeout_and_deadline_expire_unstarted_requests():
@@ -238,8 +239,8 @@ def test_step_model_recovers_intercept_and_both_slopes():
     assert ctl.running_cap() == 3
     # Beside 2 decodes 24.5 ms are left = 24 prefill tokens; beside 3 only
     # 9.5 ms, so the minimum chunk (16 tokens) applies.
-    assert ctl.prefill_token_budget(2) == 24
-    assert ctl.prefill_token_budget(3) == 16
+    assert ctl.step_limiter.prefill_token_budget(2) == 24
+    assert ctl.step_limiter.prefill_token_budget(3) == 16
     assert ctl.step_limits(2)[:2] == (3, 2 + 24)
 
 
@@ -281,14 +282,14 @@ def test_prefill_heavy_steps_no_longer_inflate_the_running_cap():
     assert ctl.running_cap() == 11
     # Beside 6 decodes: 0.09 - 0.02 - 0.036 = 34 ms = 113 prefill tokens, so
     # a 512-token chunk no longer stretches every decode's step.
-    assert ctl.prefill_token_budget(6) == 113
-    assert ctl.prefill_token_budget(11) == 16
+    assert ctl.step_limiter.prefill_token_budget(6) == 113
+    assert ctl.step_limiter.prefill_token_budget(11) == 16
 
 
 def test_decode_only_steps_fit_intercept_and_decode_slope_alone():
     ctl, _ = make(max_num_seqs=64, tpot_slo_s=0.1)
     assert ctl.running_cap() == 64  # nothing measured: no cap beyond the config
-    assert ctl.prefill_token_budget(4) is None
+    assert ctl.step_limiter.prefill_token_budget(4) is None
     assert ctl.step_limits(4) == (64, None, True)
     _feed(ctl, [(d, 0) for d in range(1, 9)] * 5, 0.012, 0.01, 0.0)
     fit = ctl.step_model.fit()
@@ -304,7 +305,7 @@ def test_before_the_fit_a_slow_prefill_step_shrinks_the_next_chunks():
     assert ctl.step_model.fit() is None
     assert ctl.running_cap() == 64  # no decode measured yet
     # The whole second charged to 512 tokens: 90 ms of budget holds 46.
-    assert ctl.prefill_token_budget(0) == 46
+    assert ctl.step_limiter.prefill_token_budget(0) == 46
     assert ctl.step_limits(0) == (64, 46, True)
 
 

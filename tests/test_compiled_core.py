@@ -116,10 +116,10 @@ def test_an_edited_source_is_imported_from_python_not_its_stale_build(tmp_path):
     assert report["status"]["compiled"] is True
     assert all(f.startswith(str(tmp_path)) and f.endswith(EXTENSION_SUFFIX) for f in report["files"].values())
 
-    admission = tmp_path / "kvserve" / "scheduler" / "admission.py"
+    admission = tmp_path / "kvserve" / "admission" / "controller.py"
     admission.write_text(admission.read_text() + "\n# an edit after the build\n")
     report, stderr = _import_in(tmp_path)
     assert report["status"]["compiled"] is False
-    assert "kvserve/scheduler/admission.py changed since it was compiled" in report["status"]["reason"]
+    assert "kvserve/admission/controller.py changed since it was compiled" in report["status"]["reason"]
     assert all(f.startswith(str(tmp_path)) and f.endswith(".py") for f in report["files"].values())
     assert "compiled core not used" in stderr

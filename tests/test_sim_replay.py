@@ -4,7 +4,7 @@ the calls it made into fresh instances gives identical decisions."""
 from kvserve.bench.workload import LengthClass, LengthDist, WorkloadSpec, generate_requests
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
 from kvserve.contract import Request, SamplingParams
-from kvserve.scheduler.admission import AdmissionController
+from kvserve.admission.controller import AdmissionController
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.sim.cost_model import LinearCostModel
 from kvserve.sim.simulator import SIM_EOS_TOKEN_ID, SIM_TOKEN_ID, SimConfig, Simulator
@@ -96,7 +96,7 @@ def test_replay_reproduces_admission_decisions_and_schedules():
     outputs, answers = _replay(trace, config)
     recorded_outputs, recorded_answers = _recorded(trace)
     decisions = [a for e, a in zip([e for e in trace if e[0] == "admission"], recorded_answers)
-                 if e[2] == "check"]
+                 if e[2] == "decide"]
     assert any(not d.admitted for d in decisions) and any(d.admitted for d in decisions)
     assert outputs == recorded_outputs
     assert answers == recorded_answers

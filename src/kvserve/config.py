@@ -88,7 +88,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    """The front door's promise and limits (see scheduler/admission.py).
+    """The front door's promise and limits (see admission/controller.py).
 
     Times are seconds, sizes are tokens unless named otherwise.
     max_queue_wait_s: a request whose expected wait for KV / a batch slot is

@@ -39,7 +39,12 @@ COMPILED_MODULES = (
     "kvserve.kv_cache.block_pool",
     "kvserve.kv_cache.manager",
     "kvserve.scheduler.policy",
-    "kvserve.scheduler.admission",
+    "kvserve.admission.decision",
+    "kvserve.admission.busy_rate",
+    "kvserve.admission.quotas",
+    "kvserve.admission.step_time",
+    "kvserve.admission.step_limits",
+    "kvserve.admission.controller",
     "kvserve.scheduler.scheduler",
     "kvserve.plan.roofline",  # the roofline step time (sim.cost_model's, shared with `kvserve plan`)
     "kvserve.sim.cost_model",

@@ -20,11 +20,14 @@ from dataclasses import dataclass, replace
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvserve.admission.controller import AdmissionController
+from kvserve.admission.decision import AdmissionRequest, Outcome, Reason
+from kvserve.admission.step_limits import StepLimits
+from kvserve.admission.step_time import MIN_FIT_STEPS
 from kvserve.config import AdmissionConfig, ServerConfig
 from kvserve.contract import InvalidParameter, Request, ResolvedVersions
 from kvserve.engine.async_engine import AsyncEngine, Finished, RequestStream, StepReport
 from kvserve.metrics import ServerMetrics
-from kvserve.scheduler.admission import MIN_FIT_STEPS, AdmissionController, AdmissionRequest, StepLimits
 from kvserve.server import protocol
 from kvserve.server.tenants import Tenant, TenantDirectory
 from kvserve.server.transport import reader_stalled
@@ -33,7 +36,7 @@ log = logging.getLogger(__name__)
 
 WATCHDOG_PERIOD_S = 0.1
 # Rejection reasons that mean "the system is full" vs "you are over your share".
-RATE_LIMITED_REASONS = {"tenant_quota"}
+RATE_LIMITED_REASONS = {Reason.TENANT_QUOTA}
 CLIENT_ABORTS = {"disconnect", "stalled"}
 # Tokens a completion prompt may gain beyond one per UTF-8 byte (BOS / EOS
 # and a prefix space the tokenizer adds): every BPE or byte-fallback token
@@ -427,11 +430,10 @@ class Serving:
         cached = self._cached_tokens(p)
         request = AdmissionRequest(p.request_id, len(p.prompt_token_ids), p.params.max_tokens, cached,
                                    p.priority, p.tenant.name, p.is_retry, p.deadline)
-        decision = self.admission.check(request)
+        decision = self.admission.decide(request)
         self.metrics.record_admission(decision.outcome, decision.reason)
         if not decision.admitted:
             raise _rejection(decision)
-        self.admission.admit(request, decision)
         params = p.params
         if decision.max_tokens is not None and decision.max_tokens < params.max_tokens:
             params = replace(params, max_tokens=decision.max_tokens,
@@ -458,7 +460,7 @@ class Serving:
         headers["x-request-id"] = p.request_id
         if p.max_tokens_defaulted:
             headers["x-kvserve-max-tokens"] = str(params.max_tokens)
-        if decision.outcome == "degrade":
+        if decision.outcome == Outcome.DEGRADE:
             headers["x-kvserve-degraded"] = f"max_tokens={params.max_tokens}"
         return headers
 
@@ -471,8 +473,8 @@ class Serving:
         if done.error is not None:
             return APIError(400, done.error, code="engine_refused")
         reason = done.abort_reason or "abort"
-        messages = {"queue_timeout": "the request waited too long in the queue and did not start",
-                    "deadline": "the request could not start before its deadline",
+        messages = {Reason.QUEUE_TIMEOUT: "the request waited too long in the queue and did not start",
+                    Reason.DEADLINE: "the request could not start before its deadline",
                     "shutdown": "the server is shutting down"}
         return APIError(503, messages.get(reason, f"the request was aborted ({reason})"),
                         "unavailable", reason)

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.scheduler.admission import TenantLimits
+from kvserve.admission.quotas import TenantLimits
 
 DEFAULT_TENANT = "default"
 _FIELDS = {"tenant", "max_concurrent", "tokens_per_minute", "priority"}

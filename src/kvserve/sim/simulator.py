@@ -48,13 +48,14 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from kvserve.admission.controller import AdmissionController
+from kvserve.admission.decision import AdmissionRequest, Reason
 from kvserve.bench.report import RequestRecord
 from kvserve.bench.workload import RequestSpec
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
 from kvserve.contract import Request, SamplingParams
 from kvserve.gc_pause import cyclic_gc_paused
 from kvserve.kv_cache.hashing import hash_prefix_blocks
-from kvserve.scheduler.admission import AdmissionController, AdmissionRequest
 from kvserve.scheduler.scheduler import DecodeRun, Scheduler, SchedulerOutput
 from kvserve.sim.cost_model import CostModel, StepShape, chunk_shape, decode_step_ends_s
 from kvserve.sim.router import Router
@@ -428,7 +429,7 @@ class Simulator:
         except ValueError as exc:
             if replica.admission is not None:
                 replica.admission.on_finish(rid)
-            self._reject(spec, 400, "never_fits", str(exc))
+            self._reject(spec, 400, Reason.NEVER_FITS, str(exc))
             return
         if replica.trace is not None:  # not built untraced: it copies the prompt
             replica.trace.append(("add", now, rid, list(prompt), max_tokens, spec.priority, spec.tenant,
@@ -452,11 +453,10 @@ class Simulator:
         cached = replica.scheduler.kv_cache.count_cached_tokens_of(block_hashes)
         ask = AdmissionRequest(rid, len(prompt), spec.output_tokens, num_cached_tokens=cached,
                                priority=spec.priority, tenant=spec.tenant)
-        decision = replica.admission.check(ask)
+        decision = replica.admission.decide(ask)
         if not decision.admitted:
             self._reject(spec, decision.status, decision.reason, decision.message)
             return None
-        replica.admission.admit(ask, decision)
         return decision.max_tokens or spec.output_tokens
 
     def _reject(self, spec: RequestSpec, status: int, reason: str | None, message: str) -> None:

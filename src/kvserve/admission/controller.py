@@ -1,0 +1,367 @@
+"""Admission control: the front door that keeps the promise.
+
+A request is admitted only if it can start soon enough to meet the TTFT
+target. The controller keeps a ledger of admitted requests (their projected
+KV blocks = ceil((prompt + max_tokens - prefix hit) / block_size)), measures
+how fast that work drains (an EWMA over busy time of projected blocks and
+requests released per second), and estimates a newcomer's wait from the work
+queued ahead of it in its priority class. Over the class's limit it answers
+429 with a Retry-After instead of letting the queue turn into timeouts.
+
+It also holds the tenant quotas and the retry budget (quotas.py), decides
+degradation (cap max_tokens instead of refusing), and reads the step limits
+(step_limits.py) from the step-time model (step_time.py) its steps feed.
+
+Pure Python, clock injected, no asyncio or HTTP: the server and the simulator
+drive the same object through the admission loop (loop.py). Not thread-safe:
+call it from one thread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from kvserve.admission.busy_rate import BusyRate
+from kvserve.admission.decision import (AdmissionDecision, AdmissionRequest, Outcome, Reason, reject,
+                                        whole_seconds)
+from kvserve.admission.quotas import RetryBudget, TenantLimits, TenantQuotas
+from kvserve.admission.step_limits import StepLimiter, StepLimits
+from kvserve.admission.step_time import StepTimeModel
+from kvserve.config import AdmissionConfig
+
+# Waits predicted shorter than this calibrate the fixed start latency; longer
+# ones the multiplicative error of the drain model.
+SHORT_WAIT_S: Final = 0.05
+CALIBRATION_WEIGHT: Final = 0.1  # EWMA weight of one observed start
+MAX_WAIT_CORRECTION: Final = 4.0
+
+
+@dataclass(slots=True)
+class _Ticket:
+    request: AdmissionRequest
+    max_tokens: int
+    num_blocks: int
+    start_by: float | None
+    start_by_reason: Reason
+    admitted_at: float
+    predicted_wait_s: float | None
+    started: bool = False
+
+
+
+class AdmissionController:
+    """Decides admit / degrade / reject and keeps the ledger of admitted work.
+
+    Lifecycle of a request: `decide` (admits it, or not) -> `on_start` (the
+    engine scheduled it) -> `on_finish` (done, aborted or expired).
+    `expired()` lists admitted requests that did not start in time. `check`
+    is `decide` without the state change (what would happen now).
+    """
+
+    def __init__(self, config: AdmissionConfig, num_blocks: int, block_size: int,
+                 max_num_seqs: int, clock: Callable[[], float],
+                 tenant_limits: Mapping[str, TenantLimits] | None = None) -> None:
+        self.config = config
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.clock = clock
+        self.quotas = TenantQuotas(tenant_limits, clock)
+        self.retry_budget = RetryBudget(config.retry_budget, config.retry_budget_burst, config.drain_window_s,
+                                        clock)
+        self._tickets: dict[str, _Ticket] = {}
+        # The unstarted tickets (in admission order, as in _tickets) and the
+        # started ones' blocks: the per-request questions (queue length,
+        # work ahead, expiry) then read only the queue, not every ticket.
+        self._queued: dict[str, _Ticket] = {}
+        self._started_blocks = 0
+        self._drain_blocks = BusyRate(config.drain_window_s)
+        self._drain_requests = BusyRate(config.drain_window_s)
+        self.step_model = StepTimeModel()
+        self.step_limiter = StepLimiter(self.step_model, config.tpot_slo_s, block_size, max_num_seqs)
+        # Calibration of expected_wait_s against the waits actually observed.
+        self._wait_ratio = 1.0
+        self._start_latency_s = 0.0
+
+    # ---- questions -------------------------------------------------------
+
+    def blocks_needed(self, num_prompt_tokens: int, max_tokens: int, num_cached_tokens: int = 0) -> int:
+        tokens = max(0, num_prompt_tokens + max_tokens - num_cached_tokens)
+        return -(-tokens // self.block_size)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queued)
+
+    @property
+    def num_started(self) -> int:
+        return len(self._tickets) - len(self._queued)
+
+    def num_inflight(self, tenant: str | None = None) -> int:
+        return sum(1 for t in self._tickets.values() if tenant is None or t.request.tenant == tenant)
+
+    def running_cap(self) -> int:
+        """The running-batch cap the measured steps allow (StepLimiter.running_cap)."""
+        return self.step_limiter.running_cap()
+
+    def step_limits(self, num_running: int) -> StepLimits:
+        """Limits for the next step with `num_running` sequences running
+        (StepLimiter.step_limits)."""
+        return self.step_limiter.step_limits(num_running)
+
+    def max_wait_s(self, priority: int) -> float:
+        """The class's limit: deferred classes (priority > 0) wait longer."""
+        return self.config.deferred_max_queue_wait_s if priority > 0 else self.config.max_queue_wait_s
+
+    def expected_wait_s(self, request: AdmissionRequest, max_tokens: int | None = None) -> tuple[float, Reason]:
+        """Expected seconds until `request` can start, and what binds it
+        (KV_CACHE, or QUEUE_FULL for the running-batch slots)."""
+        now = self.clock()
+        max_tokens = request.max_tokens if max_tokens is None else max_tokens
+        need = self.blocks_needed(request.num_prompt_tokens, max_tokens, request.num_cached_tokens)
+        blocks_ahead, seqs_ahead = self._work_ahead(request, need)
+        running_cap = self.running_cap()
+        excess_blocks = blocks_ahead + need - self.num_blocks
+        excess_seqs = seqs_ahead + 1 - running_cap
+        # Before anything drained, allow one more cache (or batch) worth of
+        # queue and refuse beyond it.
+        kv_wait = _wait_for(excess_blocks, self._block_drain_rate(now), self.num_blocks)
+        seq_wait = _wait_for(excess_seqs, self._request_drain_rate(now), running_cap)
+        wait_s, binding = (kv_wait, Reason.KV_CACHE) if kv_wait >= seq_wait else (seq_wait, Reason.QUEUE_FULL)
+        return self._calibrated(wait_s), binding
+
+    def _calibrated(self, model_wait_s: float) -> float:
+        """The drain model's wait, corrected by how observed waits compared
+        with earlier predictions (multiplicative for queueing, additive for
+        the fixed latency of getting scheduled at all)."""
+        if model_wait_s < SHORT_WAIT_S:
+            return model_wait_s + self._start_latency_s
+        return model_wait_s * self._wait_ratio + self._start_latency_s
+
+    def _work_ahead(self, request: AdmissionRequest, need: int) -> tuple[int, int]:
+        """(blocks, requests) that will be served before `request`: everything
+        started, queued work of more urgent classes, and within its own class
+        its tenant's queue plus, from each other tenant, at most as much as
+        its own tenant has queued (the scheduler shares a class fairly)."""
+        blocks, seqs = self._started_blocks, len(self._tickets) - len(self._queued)
+        same_class: dict[str, list[int]] = {}
+        for t in self._queued.values():
+            if t.request.priority < request.priority:
+                blocks, seqs = blocks + t.num_blocks, seqs + 1
+            elif t.request.priority == request.priority:
+                tenant = same_class.setdefault(t.request.tenant, [0, 0])
+                tenant[0] += t.num_blocks
+                tenant[1] += 1
+        own_blocks, own_seqs = same_class.pop(request.tenant, (0, 0))
+        blocks, seqs = blocks + own_blocks, seqs + own_seqs
+        for other_blocks, other_seqs in same_class.values():
+            blocks += min(other_blocks, own_blocks + need)
+            seqs += min(other_seqs, own_seqs + 1)
+        return blocks, seqs
+
+    def _block_drain_rate(self, now: float) -> float | None:
+        measured = self._drain_blocks.rate(now)
+        if measured is not None:
+            return measured
+        service_s = self._modelled_service_s()
+        return None if service_s is None else self.num_blocks / service_s
+
+    def _request_drain_rate(self, now: float) -> float | None:
+        measured = self._drain_requests.rate(now)
+        if measured is not None:
+            return measured
+        service_s = self._modelled_service_s()
+        return None if service_s is None else self.running_cap() / service_s
+
+    def _modelled_service_s(self) -> float | None:
+        """Before anything finished: a full cache (or batch) turns over in
+        about mean(max_tokens) decode steps of the measured step time."""
+        step_s = self.step_model.mean_step_s
+        if step_s is None or not self._tickets:
+            return None
+        mean_tokens = sum(t.max_tokens for t in self._tickets.values()) / len(self._tickets)
+        service_s = step_s * mean_tokens
+        return service_s if service_s > 0 else None
+
+    # ---- the decision ----------------------------------------------------
+
+    def decide(self, request: AdmissionRequest) -> AdmissionDecision:
+        """The one decision per request: `check`, and when it admits (or
+        degrades) the request is recorded as `admit` records it."""
+        decision = self.check(request)
+        if decision.admitted:
+            self.admit(request, decision)
+        return decision
+
+    def check(self, request: AdmissionRequest) -> AdmissionDecision:
+        """Decide without changing any state."""
+        need = self.blocks_needed(request.num_prompt_tokens, request.max_tokens, request.num_cached_tokens)
+        if need > self.num_blocks:
+            return reject(400, Reason.NEVER_FITS, None, (
+                f"the request needs {need} KV blocks (prompt + max_tokens) but the whole cache "
+                f"holds {self.num_blocks}; shorten the prompt or lower max_tokens"))
+        refusal = self.quotas.refusal(request.tenant, request.num_prompt_tokens + request.max_tokens) \
+            or self.retry_budget.refusal(request.is_retry)
+        if refusal is not None:
+            return refusal
+        if self.num_queued >= self.config.max_queue_len:
+            return self._queue_full()
+        return self._check_wait(request, self.clock())
+
+    def refusal_for_any_size(self, priority: int = 0, tenant: str = "default", is_retry: bool = False,
+                             deadline: float | None = None) -> AdmissionDecision | None:
+        """The 429 that `check` would give every request of this class and
+        tenant, whatever its prompt and max_tokens; None when the answer
+        depends on the request's size. No state change.
+
+        Lets the server refuse before tokenizing under overload: the refusals
+        that need no token count (tenant concurrency, retry budget, a full
+        queue) and the expected wait of a request needing zero KV blocks,
+        a lower bound on any real request's wait (more blocks never wait
+        less). The caller must rule out `check`'s size-dependent 400s itself.
+        The reason may say `queue_full` where `check` would have said
+        `kv_cache` (with zero blocks the batch slots bind), and Retry-After
+        is the lower bound's."""
+        now = self.clock()
+        probe = AdmissionRequest("", 0, 0, 0, priority, tenant, is_retry, deadline)
+        refusal = self.quotas.refusal(tenant) or self.retry_budget.refusal(is_retry)
+        if refusal is not None:
+            return refusal
+        if self.num_queued >= self.config.max_queue_len:
+            return self._queue_full()
+        limit_s = self._wait_limit_s(probe, now)
+        wait_s, binding = self.expected_wait_s(probe)
+        return self._wait_refusal(probe, wait_s, binding, limit_s) if wait_s > limit_s else None
+
+    def _queue_full(self) -> AdmissionDecision:
+        return reject(429, Reason.QUEUE_FULL, 1, f"the waiting queue is full ({self.config.max_queue_len})")
+
+    def _wait_limit_s(self, request: AdmissionRequest, now: float) -> float:
+        limit_s = self.max_wait_s(request.priority)
+        if request.deadline is not None:
+            limit_s = min(limit_s, request.deadline - now)
+        return limit_s
+
+    def _wait_refusal(self, request: AdmissionRequest, wait_s: float, binding: Reason,
+                      limit_s: float) -> AdmissionDecision:
+        reason = Reason.DEADLINE if request.deadline is not None and limit_s < self.max_wait_s(request.priority) \
+            else binding
+        # Unbounded means nothing is measured yet: it will be within seconds.
+        retry_s = whole_seconds(wait_s - limit_s) if math.isfinite(wait_s) else 1
+        return reject(429, reason, retry_s,
+                      f"expected queue wait {_fmt_s(wait_s)} exceeds the limit of {limit_s:.2f} s "
+                      f"({binding.replace('_', ' ')})", wait_s)
+
+    def _check_wait(self, request: AdmissionRequest, now: float) -> AdmissionDecision:
+        limit_s = self._wait_limit_s(request, now)
+        wait_s, binding = self.expected_wait_s(request)
+        cap = self.config.degrade_max_tokens
+        degrade_wait_s = self.config.degrade_wait_s
+        can_degrade = degrade_wait_s is not None and request.max_tokens > cap
+        if wait_s > limit_s:
+            if can_degrade:
+                capped_wait_s, _ = self.expected_wait_s(request, cap)
+                if capped_wait_s <= limit_s:
+                    return AdmissionDecision(Outcome.DEGRADE, cap, expected_wait_s=capped_wait_s)
+            return self._wait_refusal(request, wait_s, binding, limit_s)
+        # Degrade on queueing only: the fixed latency of being scheduled at
+        # all is paid by every request, even one that starts at once, and
+        # counting it would degrade requests that take a free slot.
+        if degrade_wait_s is not None and can_degrade and wait_s - self._start_latency_s > degrade_wait_s:
+            return AdmissionDecision(Outcome.DEGRADE, cap, expected_wait_s=wait_s)
+        return AdmissionDecision(Outcome.ADMIT, request.max_tokens, expected_wait_s=wait_s)
+
+    # ---- the ledger ------------------------------------------------------
+
+    def admit(self, request: AdmissionRequest, decision: AdmissionDecision) -> None:
+        """Record an admitted request (after `check` said admit or degrade)."""
+        if not decision.admitted:
+            raise ValueError(f"cannot admit a rejected request ({decision.reason})")
+        if request.request_id in self._tickets:
+            raise ValueError(f"request {request.request_id!r} is already admitted")
+        now = self.clock()
+        self._advance(now, busy=True)
+        max_tokens = decision.max_tokens or request.max_tokens
+        start_by, reason = now + self.config.queue_timeout_s, Reason.QUEUE_TIMEOUT
+        if request.deadline is not None and request.deadline < start_by:
+            start_by, reason = request.deadline, Reason.DEADLINE
+        self._tickets[request.request_id] = self._queued[request.request_id] = _Ticket(
+            request, max_tokens,
+            self.blocks_needed(request.num_prompt_tokens, max_tokens, request.num_cached_tokens),
+            start_by, reason, now, decision.expected_wait_s)
+        self.quotas.acquire(request.request_id, request.tenant, request.num_prompt_tokens + max_tokens)
+        self.retry_budget.record_admission(request.is_retry)
+
+    def on_start(self, request_id: str, started_at: float | None = None) -> None:
+        """The engine scheduled it at `started_at` (default: now); the actual
+        wait calibrates the prediction."""
+        ticket = self._tickets.get(request_id)
+        if ticket is None or ticket.started:
+            return
+        ticket.started = True
+        del self._queued[request_id]
+        self._started_blocks += ticket.num_blocks
+        predicted_s = ticket.predicted_wait_s
+        if predicted_s is None or not math.isfinite(predicted_s):
+            return
+        actual_s = max(0.0, (self.clock() if started_at is None else started_at) - ticket.admitted_at)
+        w = CALIBRATION_WEIGHT
+        if predicted_s < SHORT_WAIT_S:
+            self._start_latency_s = (1 - w) * self._start_latency_s + w * actual_s
+        else:
+            ratio = min(MAX_WAIT_CORRECTION, max(1 / MAX_WAIT_CORRECTION, actual_s / predicted_s))
+            self._wait_ratio = (1 - w) * self._wait_ratio + w * ratio
+
+    def on_finish(self, request_id: str, num_tokens: int | None = None) -> None:
+        """Release a request. num_tokens (prompt + output actually held)
+        refunds the tenant's tokens-per-minute charge to what was used."""
+        ticket = self._tickets.pop(request_id, None)
+        if ticket is None:
+            return
+        self._advance(self.clock(), busy=bool(self._tickets))
+        if ticket.started:
+            self._started_blocks -= ticket.num_blocks
+            self._drain_blocks.add(ticket.num_blocks)
+            self._drain_requests.add(1.0)
+        else:
+            del self._queued[request_id]
+        self.quotas.release(request_id, num_tokens)
+
+    def expired(self) -> list[tuple[str, Reason]]:
+        """(request_id, reason) of admitted requests not started in time; the
+        caller aborts them and calls on_finish."""
+        now = self.clock()
+        return [(rid, t.start_by_reason) for rid, t in self._queued.items()
+                if t.start_by is not None and now > t.start_by]
+
+    def observe_step(self, num_decode_seqs: int, num_prefill_tokens: int, step_s: float) -> None:
+        """Feed one measured engine step (for the running cap and the
+        prefill token budget); empty steps are ignored."""
+        self.step_model.observe(num_decode_seqs, num_prefill_tokens, step_s)
+
+    def observe_steps(self, steps: Iterable[tuple[int, int, float]]) -> None:
+        """observe_step of each (num_decode_seqs, num_prefill_tokens, step_s)
+        in order, in one call (a simulator's multi-step decode run)."""
+        self.step_model.observe_steps(steps)
+
+    def _advance(self, now: float, busy: bool) -> None:
+        self._drain_blocks.advance(now, busy)
+        self._drain_requests.advance(now, busy)
+        self.retry_budget.advance(now, busy)
+
+
+def _wait_for(excess: float, rate: float | None, cold_allowance: float) -> float:
+    """Seconds to drain `excess` at `rate`; with no rate yet, zero within the
+    allowance and unbounded beyond it."""
+    if excess <= 0:
+        return 0.0
+    if rate is None:
+        return 0.0 if excess <= cold_allowance else math.inf
+    return excess / rate if rate > 0 else math.inf
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds:.2f} s" if math.isfinite(seconds) else "unbounded (no measured drain)"

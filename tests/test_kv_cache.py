@@ -156,12 +156,13 @@ def test_cached_hits_count_against_free_blocks():
     m.check_integrity()
 
 
-def test_count_cached_tokens_is_side_effect_free():
+def test_a_prefix_hit_lookup_is_side_effect_free():
+    # Admission asks it of every arriving request: no blocks taken, no stats.
     m = KVCacheManager(CacheConfig(num_blocks=8, block_size=BS))
     prefill(m, make_request("a", range(1, 14)))
     before = (m.prefix_cache_queries, m.prefix_cache_hits, m.num_free_blocks)
-    assert m.count_cached_tokens(list(range(1, 14)), "") == 12
-    assert m.count_cached_tokens(list(range(1, 14)), "other") == 0
+    assert m.get_computed_blocks(make_request("b", range(1, 14))).num_tokens == 12
+    assert m.get_computed_blocks(make_request("c", range(1, 14), namespace="other")).num_tokens == 0
     assert (m.prefix_cache_queries, m.prefix_cache_hits, m.num_free_blocks) == before
 
 

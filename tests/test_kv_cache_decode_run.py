@@ -1,6 +1,6 @@
 """The KV cache manager's per-block calls for a decode run (`append_block`,
 `cache_next_block`) leave exactly what the general `allocate_slots` /
-`cache_computed_blocks` leave (block ids, registrations, free list, LRU
+`cache_blocks_ahead` leave (block ids, registrations, free list, LRU
 order, evictions), and the hashes they register are those of the tokens
 the requests end up holding."""
 
@@ -59,7 +59,7 @@ def _drive(specs, num_blocks, run_calls):
         for request, steps in live:
             num_computed = request.num_computed_tokens + step + 1
             if num_computed % BS == 0:
-                register = kv.cache_next_block if run_calls else kv.cache_computed_blocks
+                register = kv.cache_next_block if run_calls else kv.cache_blocks_ahead
                 register(request, num_computed, PENDING)
             if step == steps - 1:
                 request.output_token_ids += [PENDING] * steps
@@ -116,7 +116,7 @@ def test_cache_next_block_off_a_single_block_is_the_general_call():
     # Two blocks completed at once, or none: the general call's result.
     for num_computed in (8, 12, 3):
         managers = []
-        for call in ("cache_next_block", "cache_computed_blocks"):
+        for call in ("cache_next_block", "cache_blocks_ahead"):
             kv = KVCacheManager(CacheConfig(num_blocks=16, block_size=BS))
             request = Request("a", [1, 2, 3], SamplingParams(max_tokens=100), 0.0)
             assert kv.allocate_slots(request, 12) is not None

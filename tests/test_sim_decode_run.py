@@ -1,4 +1,4 @@
-"""Multi-step decode (`Scheduler.plan_decode_run`): k single schedule() /
+"""Multi-step decode (`sim.fast_forward.plan_decode_run`): k single schedule() /
 update() steps and one k-step `DecodeRun` leave identical schedulers."""
 
 import random
@@ -6,6 +6,7 @@ import random
 import pytest
 
 from kvserve.contract import RequestStatus
+from kvserve.sim.fast_forward import plan_decode_run
 from tests.scheduler_helpers import EOS, NON_EOS, FakeClock, make_request, make_scheduler, step
 
 
@@ -61,7 +62,7 @@ def test_k_single_steps_and_one_run_leave_identical_schedulers(seed, prefix_cach
     single, single_clock = _steady_batch(seed, prefix_caching=prefix_caching)
     multi, multi_clock = _steady_batch(seed, prefix_caching=prefix_caching)
     batch = list(single._requests.values())
-    run = multi.plan_decode_run(40, NON_EOS)
+    run = plan_decode_run(multi, 40, NON_EOS)
     assert run is not None and run.num_steps >= 10
     _run_all(run, multi_clock)
     for _ in range(run.num_steps):
@@ -78,7 +79,7 @@ def test_k_single_steps_and_one_run_leave_identical_schedulers(seed, prefix_cach
 def test_a_run_ended_early_hands_an_exact_step_to_update(seed):
     single, single_clock = _steady_batch(seed)
     multi, multi_clock = _steady_batch(seed)
-    run = multi.plan_decode_run(30, NON_EOS)
+    run = plan_decode_run(multi, 30, NON_EOS)
     stop_after = 7
     for i in range(stop_after):
         run.schedule_step(i)
@@ -100,7 +101,7 @@ def test_a_stop_token_ends_a_run_where_single_steps_do(min_tokens):
     single, single_clock = _steady_batch(7, ignore_eos=False, min_tokens=min_tokens, max_tokens=60)
     multi, multi_clock = _steady_batch(7, ignore_eos=False, min_tokens=min_tokens, max_tokens=60)
     batch = list(single._requests.values())
-    run = multi.plan_decode_run(70, EOS)
+    run = plan_decode_run(multi, 70, EOS)
     _run_all(run, multi_clock)
     for _ in range(run.num_steps):
         step(single, single_clock, EOS)
@@ -115,7 +116,7 @@ def test_a_run_stops_before_a_step_that_might_preempt(seed):
     # what requests finishing inside it surely free.
     single, single_clock = _steady_batch(seed, num_blocks=36)
     multi, multi_clock = _steady_batch(seed, num_blocks=36)
-    run = multi.plan_decode_run(200, NON_EOS)
+    run = plan_decode_run(multi, 200, NON_EOS)
     if run is None:
         assert step(single, single_clock, NON_EOS).preempted_ids
         return
@@ -129,14 +130,14 @@ def test_a_run_stops_before_a_step_that_might_preempt(seed):
 def test_no_run_while_a_request_waits_or_prefills():
     sched, clock = make_scheduler(num_blocks=64, block_size=4, budget=8)
     sched.add_request(make_request("a", num_prompt=20, max_tokens=10))
-    assert sched.plan_decode_run(10, NON_EOS) is None  # waiting
+    assert plan_decode_run(sched, 10, NON_EOS) is None  # waiting
     step(sched, clock)
-    assert sched.plan_decode_run(10, NON_EOS) is None  # part-way through its prompt
+    assert plan_decode_run(sched, 10, NON_EOS) is None  # part-way through its prompt
     while sched.running["a"].num_computed_tokens < 20:
         step(sched, clock)
-    assert sched.plan_decode_run(10, NON_EOS) is not None
+    assert plan_decode_run(sched, 10, NON_EOS) is not None
     sched.add_request(make_request("b", num_prompt=4, max_tokens=10))
-    assert sched.plan_decode_run(10, NON_EOS) is None
+    assert plan_decode_run(sched, 10, NON_EOS) is None
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -148,7 +149,7 @@ def test_apply_steps_leaves_what_single_steps_leave(seed, split):
     single, single_clock = _steady_batch(seed)
     multi, _ = _steady_batch(seed)
     batch = list(single._requests.values())
-    run = multi.plan_decode_run(40, NON_EOS)
+    run = plan_decode_run(multi, 40, NON_EOS)
     assert run is not None and run.num_steps > split + 2
     start_s = single_clock.now
     end_times = [start_s + 0.01 * (i + 1) for i in range(run.num_steps)]
@@ -190,7 +191,7 @@ def test_a_run_step_that_starts_waiting_requests_is_the_ordinary_step(seed, step
     # it leaves what single steps leave, with the same batch.
     single, single_clock = _steady_batch(seed)
     multi, multi_clock = _steady_batch(seed)
-    run = multi.plan_decode_run(40, NON_EOS)
+    run = plan_decode_run(multi, 40, NON_EOS)
     assert run is not None and run.num_steps > steps_before
     for i in range(steps_before):
         run.schedule_step(i)
@@ -216,7 +217,7 @@ def test_a_run_step_that_starts_waiting_requests_is_the_ordinary_step(seed, step
 
 def test_a_run_step_cannot_start_waiting_requests_when_the_budget_misses_a_decode():
     multi, _ = _steady_batch(3)
-    run = multi.plan_decode_run(40, NON_EOS)
+    run = plan_decode_run(multi, 40, NON_EOS)
     multi.add_request(_arrival(3))
     before = _state(multi)
     multi.set_step_limits(16, len(multi.running) - 1)  # schedule() would leave a decode out
@@ -228,7 +229,7 @@ def test_a_run_step_cannot_start_waiting_requests_when_the_budget_misses_a_decod
 def test_a_run_step_starts_nobody_when_the_running_cap_is_reached():
     single, single_clock = _steady_batch(4)
     multi, multi_clock = _steady_batch(4)
-    run = multi.plan_decode_run(40, NON_EOS)
+    run = plan_decode_run(multi, 40, NON_EOS)
     for sched in (single, multi):
         sched.add_request(_arrival(4))
         sched.set_step_limits(len(sched.running), None)
@@ -254,7 +255,7 @@ def test_a_run_extended_with_the_requests_it_started_goes_on_as_single_steps(see
     single, single_clock = _steady_batch(seed, num_blocks=num_blocks, prefix_caching=prefix_caching)
     multi, multi_clock = _steady_batch(seed, num_blocks=num_blocks, prefix_caching=prefix_caching)
     batch = list(single._requests.values())
-    run = multi.plan_decode_run(40, NON_EOS)
+    run = plan_decode_run(multi, 40, NON_EOS)
     assert run is not None and run.num_steps >= 6
     for i in range(3):
         run.schedule_step(i)
@@ -285,7 +286,7 @@ def test_a_run_extended_with_the_requests_it_started_goes_on_as_single_steps(see
 
 def test_a_run_is_not_extended_with_a_more_urgent_newcomer():
     multi, multi_clock = _steady_batch(2)
-    run = multi.plan_decode_run(40, NON_EOS)
+    run = plan_decode_run(multi, 40, NON_EOS)
     urgent = make_request("new", num_prompt=4, max_tokens=30, priority=-1, arrival=1.0, first_token=900,
                           ignore_eos=True)
     multi.add_request(urgent)
@@ -320,7 +321,7 @@ def test_a_run_that_takes_in_many_newcomers_goes_on_as_single_steps(prefix_cachi
     # the run. The same state, finishes and batches as single steps.
     single, single_clock = _two_long_decodes(prefix_caching)
     multi, multi_clock = _two_long_decodes(prefix_caching)
-    run = multi.plan_decode_run(40, NON_EOS)
+    run = plan_decode_run(multi, 40, NON_EOS)
     assert run is not None and run.num_steps == 40
     num_arrivals = 12
     for k in range(num_arrivals):

@@ -1,15 +1,16 @@
 """The shortcuts the simulator's speed rests on give the numbers of the
-plain definitions: prompt hashes computed once, numpy summaries."""
+plain definitions: prompt hashes computed once, summaries."""
 
 import random
 
 import pytest
 
-from kvserve.config import CacheConfig
+from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.contract import Request, SamplingParams
 from kvserve.kv_cache.hashing import hash_block, hash_prefix_blocks, namespace_root
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.latency import PERCENTILES, percentile, summarize
+from kvserve.scheduler.scheduler import Scheduler
 
 
 @pytest.mark.parametrize("num_tokens", [0, 3, 4, 5, 17, 64])
@@ -22,25 +23,28 @@ def test_hash_prefix_blocks_is_the_chain_of_hash_block(num_tokens):
     assert hash_prefix_blocks(tokens, 4, "ns") == chain
 
 
-def test_prompt_hashes_handed_to_the_request_serve_admission_and_the_cache():
-    # The simulator hashes a prompt once: the admission's estimate reads the
-    # hashes and the request keeps them. Both answers equal those of hashing
-    # twice, and the request's blocks get registered under the same hashes.
-    kv = KVCacheManager(CacheConfig(num_blocks=32, block_size=4))
+def test_prompt_hashes_computed_for_admission_serve_the_cache():
+    # The simulator asks the prefix-hit question before admitting (the
+    # scheduler's prefix_hit_tokens): the prompt is hashed once, all its
+    # blocks over one encoding, the request keeps the hashes (those of the
+    # chained definition) and its first schedule finds the same blocks.
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)
+    scheduler = Scheduler(config, CacheConfig(num_blocks=32, block_size=4))
+    kv = scheduler.kv_cache
     prompt = list(range(100, 118))  # 4 full blocks + 2 tokens
     first = Request("a", prompt, SamplingParams(max_tokens=2), 0.0, cache_namespace="ns")
     kv.allocate_slots(first, len(prompt), kv.get_computed_blocks(first))
     first.num_computed_tokens = len(prompt)
     kv.cache_computed_blocks(first)
     again = prompt[:13] + [999] * 5  # shares 3 full blocks
-    hashes = hash_prefix_blocks(again[:-1], 4, "ns")
-    assert kv.count_cached_tokens_of(hashes) == kv.count_cached_tokens(again, "ns") == 12
-    second = Request("b", again, SamplingParams(max_tokens=2), 0.0, cache_namespace="ns",
-                     block_hashes=hashes)
+    second = Request("b", again, SamplingParams(max_tokens=2), 0.0, cache_namespace="ns")
+    assert scheduler.prefix_hit_tokens(second) == 12
+    assert second.block_hashes == hash_prefix_blocks(again[:-1], 4, "ns")
     computed = kv.get_computed_blocks(second)
     assert computed.num_tokens == 12
     assert [b.block_id for b in computed.blocks] == kv.block_ids("a")[:3]
-    assert kv.count_cached_tokens_of(hash_prefix_blocks(again[:-1], 4, "other")) == 0
+    other = Request("c", again, SamplingParams(max_tokens=2), 0.0, cache_namespace="other")
+    assert scheduler.prefix_hit_tokens(other) == 0
 
 
 def _plain_summary(values):
@@ -90,7 +94,7 @@ def test_blocks_registered_ahead_of_the_tokens_get_the_hashes_the_tokens_will_ha
     for kv, request in zip((ahead, after), requests):
         kv.allocate_slots(request, num_prompt + 11)
         request.num_computed_tokens = num_prompt - 1  # the prompt's last token computes in the first decode step
-    ahead.cache_computed_blocks(requests[0], num_prompt + 10, pending_token_id=7)
+    ahead.cache_blocks_ahead(requests[0], num_prompt + 10, pending_token_id=7)
     requests[1].output_token_ids += [7] * 11
     requests[1].num_computed_tokens = num_prompt + 10
     after.cache_computed_blocks(requests[1])

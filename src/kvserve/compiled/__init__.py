@@ -46,6 +46,7 @@ COMPILED_MODULES = (
     "kvserve.admission.step_limits",
     "kvserve.admission.controller",
     "kvserve.scheduler.scheduler",
+    "kvserve.sim.fast_forward",
     "kvserve.plan.roofline",  # the roofline step time (sim.cost_model's, shared with `kvserve plan`)
     "kvserve.sim.cost_model",
     "kvserve.sim.router",

@@ -3,7 +3,10 @@ lookups, and allocation for the tokens a step will compute.
 
 The manager answers narrow questions and never decides policy: when there is
 no room, `allocate_slots` returns None and the scheduler chooses whom to
-preempt.
+preempt. The scheduler's view is `get_computed_blocks`, `allocate_slots`,
+`free`, `block_ids` and `cache_computed_blocks`; the one-block calls at the
+end (`append_block`, `cache_next_block`, `cache_blocks_ahead`) serve the
+simulator's multi-step decode runs (sim/fast_forward.py) alone.
 """
 
 from __future__ import annotations
@@ -83,26 +86,6 @@ class KVCacheManager:
             hits.append(block)
         return ComputedBlocks(hits, len(hits) * self.block_size)
 
-    def count_cached_tokens(self, token_ids: list[int], namespace: str) -> int:
-        """Tokens of this prompt the prefix cache would serve now (for admission's
-        projection); no state change, no stats."""
-        if not self.enable_prefix_caching:
-            return 0
-        return self.count_cached_tokens_of(hash_prefix_blocks(token_ids[:-1], self.block_size, namespace))
-
-    def count_cached_tokens_of(self, block_hashes: list[bytes]) -> int:
-        """count_cached_tokens for a prompt whose chained block hashes the
-        caller has already (`hash_prefix_blocks` of all but its last token),
-        e.g. to keep them as the request's `block_hashes` and hash it once."""
-        if not self.enable_prefix_caching:
-            return 0
-        num = 0
-        for block_hash in block_hashes:
-            if self.pool.lookup(block_hash) is None:
-                break
-            num += self.block_size
-        return num
-
     # -- state changes -------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed: ComputedBlocks | None = None) -> list[KVBlock] | None:
@@ -157,20 +140,18 @@ class KVCacheManager:
         self._block_ids[request_id].extend([b.block_id for b in new_blocks])
         return new_blocks
 
-    def cache_computed_blocks(self, request: Request, num_computed_tokens: int | None = None,
-                              pending_token_id: int | None = None) -> None:
+    def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's full blocks whose KV is now computed (call after
-        the step that computed them ran), so later requests can hit them.
+        the step that computed them ran), so later requests can hit them."""
+        self._cache_blocks(request, request.num_computed_tokens, None)
 
-        `num_computed_tokens` defaults to the request's. A caller that applies
-        decode steps lazily (`DecodeRun`) may pass more: the tokens past
-        `request.num_tokens` are then all `pending_token_id`, and the hashes
-        are those the request's tokens will have once brought up to date."""
+    def _cache_blocks(self, request: Request, num_computed_tokens: int, pending_token_id: int | None) -> None:
+        """Register the full blocks of the first `num_computed_tokens`; the
+        tokens past `request.num_tokens` are all `pending_token_id` (see
+        cache_blocks_ahead)."""
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
-        if num_computed_tokens is None:
-            num_computed_tokens = request.num_computed_tokens
         num_full = num_computed_tokens // self.block_size
         start = self._num_cached_blocks.get(rid, num_full)
         if num_full <= start:
@@ -183,46 +164,6 @@ class KVCacheManager:
         else:
             self.pool.cache_blocks(self._blocks[rid][start:num_full], hashes[start:num_full])
         self._num_cached_blocks[rid] = num_full
-
-    # -- a decode run's per-block calls ---------------------------------------
-    # `scheduler.DecodeRun` applies a steady decode batch's steps as events:
-    # a token entering a new block, a block completed. These two calls do
-    # for exactly those events what allocate_slots and cache_computed_blocks
-    # do, without the general cases' work: they run for every block a
-    # decode run fills (millions in a simulated hour).
-
-    def append_block(self, request_id: str) -> KVBlock | None:
-        """allocate_slots for a request that holds blocks and whose next token
-        enters a new block (the caller knows it does): one block from the
-        pool at the end of its block table. None, with no change, when the
-        pool has none."""
-        block = self.pool.allocate_one()
-        if block is None:
-            return None
-        self._blocks[request_id].append(block)
-        self._block_ids[request_id].append(block.block_id)
-        return block
-
-    def cache_next_block(self, request: Request, num_computed_tokens: int, pending_token_id: int) -> None:
-        """cache_computed_blocks(request, num_computed_tokens, pending_token_id)
-        when that completes exactly the request's next unregistered block (a
-        decode step ending on a block boundary); the general call otherwise."""
-        rid = request.request_id
-        index = self._num_cached_blocks.get(rid)
-        size = self.block_size
-        if index is None or num_computed_tokens // size != index + 1 or not self.enable_prefix_caching:
-            self.cache_computed_blocks(request, num_computed_tokens, pending_token_id)
-            return
-        hashes = request.block_hashes
-        if index and len(hashes) == index and index * size >= request.num_tokens:
-            # A block after the first that holds only tokens not yet appended:
-            # all the pending one (what _request_hashes does for it, without
-            # its loop).
-            hashes.append(hash_encoded_block(hashes[index - 1], self._encoded_repeat(pending_token_id)))
-        elif len(hashes) <= index:
-            hashes = self._request_hashes(request, index + 1, pending_token_id)
-        self.pool.cache_block(self._blocks[rid][index], hashes[index])
-        self._num_cached_blocks[rid] = index + 1
 
     def free(self, request: Request) -> None:
         """Release every block of the request. Its tail blocks become the first
@@ -237,15 +178,27 @@ class KVCacheManager:
         if blocks:
             self.pool.release(reversed(blocks))
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no request holds and zero the prefix-cache
+        totals (as vLLM's reset_prefix_cache resets its prefix stats)."""
+        self.pool.reset_prefix_cache()
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+
     def _request_hashes(self, request: Request, num_blocks: int, pending_token_id: int | None = None) -> list[bytes]:
         """The request's chained block hashes, extended to `num_blocks` (kept on
         the request: a full block's tokens never change, even across
         preemption). Positions past the request's tokens hold
-        `pending_token_id` (see cache_computed_blocks)."""
+        `pending_token_id` (see cache_blocks_ahead)."""
         hashes = request.block_hashes
         if len(hashes) >= num_blocks:
             return hashes
         size = self.block_size
+        if not hashes and num_blocks * size <= request.num_tokens:
+            # A prompt's first lookup (admission's prefix-hit projection, or
+            # its first schedule): every block at once over one encoding.
+            hashes += hash_prefix_blocks(request.token_ids_slice(0, num_blocks * size), size,
+                                         request.cache_namespace)
+            return hashes
         parent = hashes[-1] if hashes else namespace_root(request.cache_namespace)
         end = num_blocks * size
         if pending_token_id is None:
@@ -289,3 +242,52 @@ class KVCacheManager:
                 f"{holders.get(block.block_id, 0)}")
         for rid, blocks in self._blocks.items():
             assert self._block_ids[rid] == [b.block_id for b in blocks], f"{rid}: block ids out of sync"
+
+    # -- a decode run's calls (sim/fast_forward.py), not the scheduler's -------
+    # A `DecodeRun` applies a steady decode batch's steps as events: a token
+    # entering a new block, a block completed. These calls do for exactly
+    # those events what allocate_slots and cache_computed_blocks do, without
+    # the general cases' work: they run for every block a decode run fills
+    # (millions in a simulated hour). The run's tokens are appended to its
+    # requests lazily, so a block is registered before its request holds
+    # the tokens: those past `request.num_tokens` are all the run's token.
+
+    def append_block(self, request_id: str) -> KVBlock | None:
+        """allocate_slots for a request that holds blocks and whose next token
+        enters a new block (the caller knows it does): one block from the
+        pool at the end of its block table. None, with no change, when the
+        pool has none."""
+        block = self.pool.allocate_one()
+        if block is None:
+            return None
+        self._blocks[request_id].append(block)
+        self._block_ids[request_id].append(block.block_id)
+        return block
+
+    def cache_blocks_ahead(self, request: Request, num_computed_tokens: int, pending_token_id: int) -> None:
+        """cache_computed_blocks as if the request had `num_computed_tokens`
+        computed, its tokens past `request.num_tokens` all
+        `pending_token_id`: the hashes are those its tokens will have once
+        brought up to date."""
+        self._cache_blocks(request, num_computed_tokens, pending_token_id)
+
+    def cache_next_block(self, request: Request, num_computed_tokens: int, pending_token_id: int) -> None:
+        """cache_blocks_ahead when that completes exactly the request's next
+        unregistered block (a decode step ending on a block boundary), with
+        less work; the general call otherwise."""
+        rid = request.request_id
+        index = self._num_cached_blocks.get(rid)
+        size = self.block_size
+        if index is None or num_computed_tokens // size != index + 1 or not self.enable_prefix_caching:
+            self._cache_blocks(request, num_computed_tokens, pending_token_id)
+            return
+        hashes = request.block_hashes
+        if index and len(hashes) == index and index * size >= request.num_tokens:
+            # A block after the first that holds only tokens not yet appended:
+            # all the pending one (what _request_hashes does for it, without
+            # its loop).
+            hashes.append(hash_encoded_block(hashes[index - 1], self._encoded_repeat(pending_token_id)))
+        elif len(hashes) <= index:
+            hashes = self._request_hashes(request, index + 1, pending_token_id)
+        self.pool.cache_block(self._blocks[rid][index], hashes[index])
+        self._num_cached_blocks[rid] = index + 1

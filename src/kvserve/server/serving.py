@@ -236,12 +236,12 @@ class Serving:
         """Serve one /v1/completions or /v1/chat/completions request."""
         self._refuse_if_unavailable()
         prepared = self._prepare(kind, body, tenant, headers)
-        decision, admitted_params = self._admit(prepared)
-        response_headers = self._headers(prepared, decision, admitted_params)
-        request = Request(prepared.request_id, prepared.prompt_token_ids, admitted_params,
+        request = Request(prepared.request_id, prepared.prompt_token_ids, prepared.params,
                           arrival_time=prepared.arrival, eos_token_ids=self.tokenizer.eos_token_ids,
                           priority=prepared.priority, tenant=tenant.name, deadline=prepared.deadline,
                           cache_namespace=self._namespace(tenant))
+        decision, request.sampling_params = self._admit(prepared, request)
+        response_headers = self._headers(prepared, decision, request.sampling_params)
         self._contexts[request.request_id] = _Context(len(prepared.prompt_token_ids))
         stream = self.engine.add(request)
         shape = protocol.ResponseShape(kind, prepared.request_id, self.model_name,
@@ -426,8 +426,8 @@ class Serving:
                            param="x-kvserve-deadline-s")
         return arrival + seconds
 
-    def _admit(self, p: _Prepared):
-        cached = self._cached_tokens(p)
+    def _admit(self, p: _Prepared, engine_request: Request):
+        cached = self._cached_tokens(engine_request)
         request = AdmissionRequest(p.request_id, len(p.prompt_token_ids), p.params.max_tokens, cached,
                                    p.priority, p.tenant.name, p.is_retry, p.deadline)
         decision = self.admission.decide(request)
@@ -440,13 +440,12 @@ class Serving:
                              min_tokens=min(params.min_tokens, decision.max_tokens))
         return decision, params
 
-    def _cached_tokens(self, p: _Prepared) -> int:
+    def _cached_tokens(self, request: Request) -> int:
         # Read from the event loop while the engine thread may change the
         # cache: a lookup is a few dict reads, and a stale answer only makes
         # the projection slightly off, so no lock is taken.
         try:
-            return self.core.scheduler.kv_cache.count_cached_tokens(p.prompt_token_ids,
-                                                                     self._namespace(p.tenant))
+            return self.core.scheduler.prefix_hit_tokens(request)
         except Exception:
             return 0
 

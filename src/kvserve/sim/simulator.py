@@ -55,9 +55,9 @@ from kvserve.bench.workload import RequestSpec
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
 from kvserve.contract import Request, SamplingParams
 from kvserve.gc_pause import cyclic_gc_paused
-from kvserve.kv_cache.hashing import hash_prefix_blocks
-from kvserve.scheduler.scheduler import DecodeRun, Scheduler, SchedulerOutput
+from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput
 from kvserve.sim.cost_model import CostModel, StepShape, chunk_shape, decode_step_ends_s
+from kvserve.sim.fast_forward import DecodeRun, plan_decode_run
 from kvserve.sim.router import Router
 
 # Constants are Final: the compiled core (kvserve/compiled) inlines them
@@ -405,24 +405,12 @@ class Simulator:
         replica.clock.advance_to(now)
         rid = f"r{spec.index}"
         prompt = synth_prompt(spec)
-        # The prompt's block hashes, computed once: the admission's prefix-hit
-        # estimate reads them and the request keeps them for the KV cache.
-        kv_cache = replica.scheduler.kv_cache
-        namespace = self._namespace(spec)
-        block_hashes = hash_prefix_blocks(prompt[:-1], kv_cache.block_size, namespace) \
-            if kv_cache.enable_prefix_caching else []
-        max_tokens = spec.output_tokens
-        if replica.admission is not None:
-            admitted_tokens = self._admit(replica, spec, rid, prompt, block_hashes)
-            if admitted_tokens is None:
-                return
-            max_tokens = admitted_tokens
-        params = self._sampling_params.get(max_tokens)
-        if params is None:
-            params = self._sampling_params[max_tokens] = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        request = Request(rid, prompt, params, arrival_time=now, eos_token_ids=(SIM_EOS_TOKEN_ID,),
-                          priority=spec.priority, tenant=spec.tenant, cache_namespace=namespace,
-                          block_hashes=block_hashes)
+        request = Request(rid, prompt, self._params(spec.output_tokens), arrival_time=now,
+                          eos_token_ids=(SIM_EOS_TOKEN_ID,), priority=spec.priority, tenant=spec.tenant,
+                          cache_namespace=self._namespace(spec))
+        if replica.admission is not None and not self._admit(replica, spec, request):
+            return
+        max_tokens = request.sampling_params.max_tokens
         self._end_run_after_in_flight(replica)
         try:
             replica.scheduler.add_request(request)
@@ -447,17 +435,25 @@ class Simulator:
             namespace = self._namespaces[spec.tenant] = f"{self.config.cache_namespace}:{spec.tenant}"
         return namespace
 
-    def _admit(self, replica: Replica, spec: RequestSpec, rid: str, prompt: list[int],
-               block_hashes: list[bytes]) -> int | None:
-        """max_tokens to run with, or None when refused (recorded)."""
-        cached = replica.scheduler.kv_cache.count_cached_tokens_of(block_hashes)
-        ask = AdmissionRequest(rid, len(prompt), spec.output_tokens, num_cached_tokens=cached,
+    def _params(self, max_tokens: int) -> SamplingParams:
+        params = self._sampling_params.get(max_tokens)
+        if params is None:
+            params = self._sampling_params[max_tokens] = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return params
+
+    def _admit(self, replica: Replica, spec: RequestSpec, request: Request) -> bool:
+        """Whether admission admits the request (its max_tokens capped if
+        degraded); a refusal is recorded."""
+        ask = AdmissionRequest(request.request_id, len(request.prompt_token_ids), spec.output_tokens,
+                               num_cached_tokens=replica.scheduler.prefix_hit_tokens(request),
                                priority=spec.priority, tenant=spec.tenant)
         decision = replica.admission.decide(ask)
         if not decision.admitted:
             self._reject(spec, decision.status, decision.reason, decision.message)
-            return None
-        return decision.max_tokens or spec.output_tokens
+            return False
+        if decision.max_tokens is not None and decision.max_tokens != spec.output_tokens:
+            request.sampling_params = self._params(decision.max_tokens)
+        return True
 
     def _reject(self, spec: RequestSpec, status: int, reason: str | None, message: str) -> None:
         now = self.clock.now_s
@@ -539,7 +535,7 @@ class Simulator:
         if replica.run is not None and self._continue_run(replica):
             return True
         scheduler = replica.scheduler
-        run = scheduler.plan_decode_run(replica.run_steps_planned, SIM_TOKEN_ID)
+        run = plan_decode_run(scheduler, replica.run_steps_planned, SIM_TOKEN_ID)
         if run is None or run.num_steps < 2:
             return False
         replica.num_decode_runs += 1

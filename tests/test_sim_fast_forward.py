@@ -30,8 +30,8 @@ def _simulate(config, specs, offsets, fast_forward, record_trace=True):
     # What each replica's admission controller measured from the steps
     # (an untraced run feeds a run's steps at once).
     step_models = [None if r.admission is None else
-                   (r.admission.step_model.fit(), r.admission.step_model.mean_step_s,
-                    r.admission.step_model.mean_decode_seqs) for r in sim.replicas]
+                   (r.admission.controller.step_model.fit(), r.admission.controller.step_model.mean_step_s,
+                    r.admission.controller.step_model.mean_decode_seqs) for r in sim.replicas]
     return SimpleNamespace(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)},
                            step_models=step_models)
 

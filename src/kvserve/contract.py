@@ -1,8 +1,9 @@
 """The request contract shared by every layer: sampling parameters, the request
-record with its single progress counter, and the ordered status enum.
+record with its single progress counter, the ordered status enum, and the one
+constructor of requests (`RequestFactory`).
 
-Pure Python: no torch, no clock (timestamps are stamped by callers from an
-injected clock).
+Pure Python: no torch; timestamps are stamped by callers from an injected
+clock.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from types import SimpleNamespace
@@ -405,3 +407,47 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return finish_reason(self.status)
+
+
+class RequestFactory:
+    """The one way a `Request` is built: one engine's facts applied by the
+    same rules whoever builds it (the server, the simulator, the offline
+    `LLM`, the warm-up).
+
+    - EOS: the model's EOS token ids (`eos_token_ids`).
+    - Prefix-cache namespace: `{namespace}:{tenant}`, where `namespace`
+      names the weights (their revision): KV computed by other weights is
+      never reused, and tenants never share cached KV (a prefix hit would
+      reveal another tenant's prompt through timing).
+    - Arrival: the given time, else now on the injected clock.
+    - Id: the given one, else `{id_prefix}{n}` counting from 0.
+
+    The prompt list is kept, not copied: a request never changes its prompt.
+    """
+
+    def __init__(self, eos_token_ids: tuple[int, ...], namespace: str, clock: Callable[[], float],
+                 id_prefix: str = "req-") -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.namespace = namespace
+        self.clock = clock
+        self.id_prefix = id_prefix
+        self._num_built = 0
+        self._namespaces: dict[str, str] = {}  # per tenant: built once, not per request
+
+    def cache_namespace(self, tenant: str) -> str:
+        namespace = self._namespaces.get(tenant)
+        if namespace is None:
+            namespace = self._namespaces[tenant] = f"{self.namespace}:{tenant}"
+        return namespace
+
+    def build(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
+              request_id: str | None = None, arrival_time: float | None = None, priority: int = 0,
+              tenant: str = "default", deadline: float | None = None) -> Request:
+        if request_id is None:
+            request_id = f"{self.id_prefix}{self._num_built}"
+        self._num_built += 1
+        prompt = prompt_token_ids if isinstance(prompt_token_ids, list) else list(prompt_token_ids)
+        return Request(request_id, prompt, sampling_params,
+                       arrival_time=self.clock() if arrival_time is None else arrival_time,
+                       eos_token_ids=self.eos_token_ids, priority=priority, tenant=tenant, deadline=deadline,
+                       cache_namespace=self.cache_namespace(tenant))

@@ -45,11 +45,14 @@ COMPILED_MODULES = (
     "kvserve.admission.step_time",
     "kvserve.admission.step_limits",
     "kvserve.admission.controller",
+    "kvserve.admission.loop",
     "kvserve.scheduler.scheduler",
     "kvserve.sim.fast_forward",
     "kvserve.plan.roofline",  # the roofline step time (sim.cost_model's, shared with `kvserve plan`)
     "kvserve.sim.cost_model",
     "kvserve.sim.router",
+    "kvserve.sim.clock",
+    "kvserve.sim.replica",
     "kvserve.sim.simulator",
 )
 # mypyc puts the compiled code of all modules in one shared library, a

@@ -13,6 +13,9 @@ arrival is started beside the run's decodes (`schedule_step_with_waiting`)
 and joins the run once it decodes (`extend`). The engine never uses it; it
 keeps schedule() / update().
 
+A replica (sim/replica.py) keeps the run it has in flight as an `ActiveRun`
+(where its steps stand, when they end) and sizes its runs by `RunLengths`.
+
 Pure Python, no torch.
 """
 
@@ -25,6 +28,17 @@ from kvserve.contract import Request, RequestStatus
 from kvserve.scheduler.scheduler import URGENCY, ScheduledChunk, Scheduler, SchedulerOutput
 
 _RUNNING: Final = RequestStatus.RUNNING
+
+# Decode run lengths: a run ended early (the next arrival at its replica)
+# wastes the planning of its remaining steps, one ended by its length costs
+# a new plan of the whole batch (far more than a step). Each replica plans
+# about three times the mean of the steps its runs used (a moving average:
+# the gaps between arrivals vary too much to follow the last one) and times
+# them (a cost-model call per step) a stretch of about three quarters of
+# that mean at a time, within these bounds.
+MIN_RUN_STEPS: Final = 8
+MAX_RUN_STEPS: Final = 512
+RUN_LENGTH_DECAY: Final = 0.8
 
 
 def plan_decode_run(scheduler: Scheduler, max_steps: int, token_id: int) -> DecodeRun | None:
@@ -403,3 +417,45 @@ class DecodeRun:
             stamps.first_token = times[0]
         stamps.token_times += times
         self._synced[index] = num_steps
+
+
+class RunLengths:
+    """How many steps a replica's next decode run plans and times at once,
+    from the steps its runs used: the mean steps between events is
+    estimated from the runs an event ended (an exponential mean from
+    samples of which some are cut short: each run that ran out of steps
+    adds its steps but no end)."""
+
+    def __init__(self) -> None:
+        self.steps_planned = MIN_RUN_STEPS
+        self.steps_timed = MIN_RUN_STEPS  # steps of a run timed at once
+        # Decayed sums of the steps runs used and of the runs an event ended
+        # (the rest ran out of steps: their gap to the next event was longer).
+        self._steps_used = float(MIN_RUN_STEPS)
+        self._ended_by_events = 1.0
+
+    def record(self, steps_used: int, ended_by_event: bool) -> None:
+        """A run used `steps_used` steps, cut by an event (an arrival, a
+        cancel) or not."""
+        self._steps_used = RUN_LENGTH_DECAY * self._steps_used + steps_used
+        self._ended_by_events = RUN_LENGTH_DECAY * self._ended_by_events + ended_by_event
+        mean_steps = self._steps_used / max(self._ended_by_events, 1e-3)
+        self.steps_planned = max(MIN_RUN_STEPS, min(MAX_RUN_STEPS, int(3 * mean_steps) + 8))
+        self.steps_timed = max(MIN_RUN_STEPS, min(MAX_RUN_STEPS, int(0.75 * mean_steps) + 4))
+
+
+class ActiveRun:
+    """The decode run a replica has in flight, and where its steps stand."""
+
+    __slots__ = ("run", "started_s", "end_times", "next_update", "first_step", "last_step")
+
+    def __init__(self, run: DecodeRun, started_s: float, end_times: list[float]) -> None:
+        self.run = run
+        self.started_s = started_s
+        self.end_times = end_times  # of the steps timed so far
+        self.next_update = 0  # steps of the run updated so far
+        self.first_step = 0  # where the run last started or took in new requests
+        self.last_step = run.num_steps - 1  # the run ends after updating this step
+
+    def step_started_s(self, step: int) -> float:
+        return self.end_times[step - 1] if step else self.started_s

@@ -1,0 +1,101 @@
+"""The admission loop: what an engine loop tells admission, and when.
+
+Written once, driven by the server's engine thread (engine/async_engine.py)
+and by each simulated replica (sim/replica.py), so both feed the same
+controller the same calls in the same order around every engine step:
+
+    an arrival       decide(request, num_cached_tokens)   admit / degrade / refuse
+    before a step    before_step(num_running, abort)      expired requests aborted,
+                                                          -> the limits of this step
+    the step runs    on_scheduled(started_ids, at)        first schedules (queue time)
+    arrivals during the step are decided here, before its end is known
+    the step ends    on_step_end(decodes, prefill, s)     the measured step time
+                     on_finished(request_id, tokens)      every end, whatever ended it
+
+The limits returned by `before_step` are the ones the step about to be
+built runs under (`Scheduler.set_step_limits` just before `schedule()`):
+computed from every step measured so far, never a step late.
+
+Pure Python, clock injected through the controller; not thread-safe (the
+server calls it under the async engine's lock).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+from kvserve.admission.decision import AdmissionDecision, AdmissionRequest, Reason
+from kvserve.admission.step_limits import StepLimits
+from kvserve.contract import Request
+
+
+class AdmissionLoop:
+    """One replica's admission, step by step (see the module docstring)."""
+
+    def __init__(self, controller: Any) -> None:
+        # An AdmissionController; Any because a simulation with a trace hands
+        # a proxy that logs every call (sim/replica.py).
+        self.controller = controller
+
+    # ---- arrivals ----------------------------------------------------------
+
+    def decide(self, request: Request, num_cached_tokens: int, is_retry: bool = False) -> AdmissionDecision:
+        """The one decision for an arriving request whose prefix-cache hit is
+        `num_cached_tokens` (read on the thread that owns the KV cache).
+        Admitted requests are recorded; a degraded one leaves with its
+        max_tokens (and min_tokens) capped to what was admitted."""
+        params = request.sampling_params
+        decision: AdmissionDecision = self.controller.decide(AdmissionRequest(
+            request.request_id, len(request.prompt_token_ids), params.max_tokens, num_cached_tokens,
+            request.priority, request.tenant, is_retry, request.deadline))
+        cap = decision.max_tokens
+        if decision.admitted and cap is not None and cap < params.max_tokens:
+            request.sampling_params = replace(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))
+        return decision
+
+    def refusal_for_any_size(self, priority: int, tenant: str, is_retry: bool,
+                             deadline: float | None) -> AdmissionDecision | None:
+        """The refusal every request of this class would get now, whatever its
+        size (AdmissionController.refusal_for_any_size): lets the server
+        refuse before tokenizing."""
+        refusal: AdmissionDecision | None = self.controller.refusal_for_any_size(priority, tenant, is_retry,
+                                                                                 deadline)
+        return refusal
+
+    # ---- around each step --------------------------------------------------
+
+    def before_step(self, num_running: int, abort: Callable[[str, Reason], None]) -> StepLimits:
+        """Before the next step is built: every admitted request that did not
+        start in time goes to `abort` (which ends it; its on_finished
+        follows), then the limits that step runs under."""
+        for request_id, reason in self.controller.expired():
+            abort(request_id, reason)
+        limits: StepLimits = self.controller.step_limits(num_running)
+        return limits
+
+    def on_scheduled(self, started_ids: Iterable[str], scheduled_at: float) -> None:
+        """The step scheduled these requests for the first time at
+        `scheduled_at` (SchedulerOutput.started_ids): their queue wait is
+        over, and calibrates the next predictions."""
+        for request_id in started_ids:
+            self.controller.on_start(request_id, scheduled_at)
+
+    def on_step_end(self, num_decode_seqs: int, num_prefill_tokens: int, step_s: float,
+                    captured_graph: bool = False) -> None:
+        """One step ran in `step_s`. A step that captured a CUDA graph holds a
+        one-off cost, not the step's own, and stays out of the fit."""
+        if not captured_graph:
+            self.controller.observe_step(num_decode_seqs, num_prefill_tokens, step_s)
+
+    def on_steps_end(self, steps: Iterable[tuple[int, int, float]]) -> None:
+        """on_step_end of each (num_decode_seqs, num_prefill_tokens, step_s) in
+        order, in one call (a simulator's multi-step decode run)."""
+        self.controller.observe_steps(steps)
+
+    def on_finished(self, request_id: str, num_tokens: int | None = None) -> None:
+        """A request ended (finished, aborted, expired, or refused by the
+        engine after admission); `num_tokens` (prompt + output it held)
+        refunds its tenant's tokens-per-minute charge to what was used."""
+        self.controller.on_finish(request_id, num_tokens)

@@ -1,0 +1,494 @@
+"""One simulated replica: the real scheduler and the admission loop on a
+virtual clock, with a cost model standing in for the torch runner.
+
+A step is the engine's (schedule -> execute -> update) with "execute"
+replaced by the cost model's step time: the replica schedules at its
+clock's now, asks the simulation for an event at the step's end
+(`ReplicaHost.push_step_done`), and applies the step's results when it
+comes, sampling one fixed token. Around every step it drives admission
+through `AdmissionLoop` exactly as the server's engine thread does.
+
+Fast forward (multi-step decode): when the batch is a steady pure decode,
+the replica plans a `DecodeRun` (sim/fast_forward.py) and applies its steps
+lazily, each at the time it would have run, whenever the simulation next
+changes or inspects the replica (an arrival routed to it, a cancel, an
+autoscale check, the run's end); `load` counts the run's finishes before
+now without applying its steps. A request added cuts the run after its
+in-flight step; the step after starts it beside the run's decodes as one
+more step of the run (its chunk through the ordinary update()), and the
+run then goes on with it when the batch is steady again, else ends. A
+cancel ends the run at once, handing the in-flight step to the ordinary
+update(). Step end times are computed a stretch at a time, as most runs are
+cut early. The replica reads its own clock, so a step applied late still
+sees its own time. Timestamps, outcomes, preemptions and admission calls
+are those of single steps (tests/test_sim_fast_forward.py).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import itertools
+import operator
+from typing import Final
+
+from kvserve.admission.controller import AdmissionController
+from kvserve.admission.decision import AdmissionDecision, Reason, reject
+from kvserve.admission.loop import AdmissionLoop
+from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
+from kvserve.contract import Request
+from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput
+from kvserve.sim.clock import VirtualClock
+from kvserve.sim.cost_model import CostModel, StepShape, chunk_shape, decode_step_ends_s
+from kvserve.sim.fast_forward import ActiveRun, RunLengths, plan_decode_run
+
+# The token every simulated step "samples": any id that is not EOS works,
+# since requests run with ignore_eos.
+SIM_TOKEN_ID: Final = 1
+SIM_EOS_TOKEN_ID: Final = 0
+class ReplicaHost:
+    """What a replica needs of the simulation around it (the Simulator):
+    an event when a step ends, and the record of a request that ended."""
+
+    def push_step_done(self, replica: Replica, t_s: float) -> None:
+        raise NotImplementedError
+
+    def end(self, request_id: str, outcome: str, status: int | None, reason: Reason | None) -> None:
+        """The request ended at its replica's now (success, timed_out, cancelled)."""
+        raise NotImplementedError
+
+
+class _Recorded:
+    """Forwards every method call to the admission controller and logs
+    ("admission", time, method, args, result), so a test can replay the same
+    calls into a fresh controller and compare every answer."""
+
+    def __init__(self, target: AdmissionController, clock: VirtualClock, log: list[tuple]) -> None:
+        self._target, self._clock, self._log = target, clock, log
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._target, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args):
+            result = attr(*args)
+            self._log.append(("admission", self._clock(), name, args, result))
+            return result
+        return call
+
+
+class Replica:
+    """One simulated server: the real scheduler and the admission loop."""
+
+    def __init__(self, index: int, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 admission_config: AdmissionConfig | None, cost_model: CostModel, host: ReplicaHost,
+                 clock: VirtualClock, ready_s: float, sim_clock: VirtualClock, *,
+                 fast_forward: bool = True, record_trace: bool = False) -> None:
+        self.index = index
+        self.ready_s = ready_s
+        # Its own clock: a decode run's steps are applied when the simulation
+        # next looks at this replica, each at its own (earlier) time.
+        self.clock = clock
+        self.sim_clock = sim_clock  # the simulation's now, which `load` answers for
+        self.cost_model = cost_model
+        self.host = host
+        self.fast_forward = fast_forward
+        self.scheduler = Scheduler(scheduler_config, cache_config, clock)
+        self.trace: list[tuple] | None = [] if record_trace else None
+        self.admission: AdmissionLoop | None = None
+        if admission_config is not None:
+            controller = AdmissionController(admission_config, cache_config.num_blocks, cache_config.block_size,
+                                             scheduler_config.max_num_seqs, clock)
+            self.admission = AdmissionLoop(controller if self.trace is None else
+                                           _Recorded(controller, clock, self.trace))
+        self.in_flight: SchedulerOutput | None = None
+        self.in_flight_shape: StepShape | None = None  # chunk_shape of in_flight
+        self.step_started_s = 0.0
+        self.run: ActiveRun | None = None
+        self.run_lengths = RunLengths()
+        # Bumped per step event pushed, so the event of a run ended early is ignored.
+        self.step_event_id = 0
+        self.num_steps = 0
+        self.busy_s = 0.0
+        # How much of the work the fast path took (results never depend on it).
+        self.num_decode_runs = 0  # multi-step runs planned
+        self.num_joined_steps = 0  # run steps that also started waiting requests
+
+    # -- what the simulation reads -------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self.in_flight is not None or self.run is not None
+
+    @property
+    def load(self) -> int:
+        # What stats() reports as num_running + num_waiting, without building
+        # the whole stats (the router asks every replica at every arrival),
+        # as of the simulation's now: requests a decode run finishes in
+        # steps that ended before now count as gone, as catch_up would
+        # leave them, without applying those steps yet.
+        load = len(self.scheduler.running) + len(self.scheduler.waiting)
+        active = self.run
+        if active is None:
+            return load
+        last = self._last_step_before(self.sim_clock.now_s)
+        if last < active.next_update:
+            return load
+        return load - active.run.num_finishing(active.next_update, last)
+
+    def _last_step_before(self, now_s: float) -> int:
+        """The last step of the run that ended before `now_s`, never the run's
+        last (its own event applies it); -1 when none."""
+        active = self.run
+        assert active is not None
+        return bisect.bisect_left(active.end_times, now_s, hi=min(active.last_step, len(active.end_times))) - 1
+
+    def stats(self) -> dict:
+        s = self.scheduler.stats()
+        return {"index": self.index, "ready_s": self.ready_s, "num_steps": self.num_steps,
+                "busy_s": self.busy_s, "num_preemptions": s.num_preemptions,
+                "prefix_cache_queries": s.prefix_cache_queries,
+                "prefix_cache_hits": s.prefix_cache_hits}
+
+    # -- what the simulation does to it --------------------------------------
+    def add(self, request: Request) -> AdmissionDecision | None:
+        """An arrival at the replica's now: admission's one decision (on the
+        prefix hit its own cache would give), then the scheduler. Returns
+        the refusal, or None once the request is queued (start_if_idle
+        then runs it)."""
+        if self.admission is not None:
+            decision = self.admission.decide(request, self.scheduler.prefix_hit_tokens(request))
+            if not decision.admitted:
+                return decision
+        self._end_run_after_in_flight()
+        try:
+            self.scheduler.add_request(request)
+        except ValueError as exc:
+            if self.admission is not None:
+                self.admission.on_finished(request.request_id)
+            return reject(400, Reason.NEVER_FITS, None, str(exc))
+        if self.trace is not None:  # not built untraced: it copies the prompt
+            self.trace.append(("add", self.clock.now_s, request.request_id, list(request.prompt_token_ids),
+                               request.sampling_params.max_tokens, request.priority, request.tenant,
+                               request.cache_namespace))
+        return None
+
+    def start_if_idle(self) -> None:
+        """After an arrival: an idle replica starts its next step at once."""
+        if not self.busy:
+            self._start_step()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (a client's cancel) at the simulation's now."""
+        self._end_run_early()
+        self.clock.advance_to(self.sim_clock.now_s)
+        self._log(("abort", self.clock.now_s, request_id))
+        self.scheduler.abort(request_id)
+
+    def catch_up(self) -> None:
+        """Apply the run's steps that ended before the simulation's now (an
+        event at the same time as a step's end comes first, as it would
+        with single steps)."""
+        if self.run is None:
+            return
+        last = self._last_step_before(self.sim_clock.now_s)
+        if last >= self.run.next_update:
+            self._update_run_steps(last)
+
+    def on_step_done(self) -> None:
+        """The event of the step in flight (or of the run's) came."""
+        if self.run is not None:
+            self._finish_run()  # moves the clock step by step
+            return
+        self.clock.advance_to(self.sim_clock.now_s)
+        self._finish_step()
+
+    def _log(self, entry: tuple) -> None:
+        if self.trace is not None:
+            self.trace.append(entry)
+
+    def _log_schedule(self, chunks: list[tuple[str, int, int, bool]], preempted_ids: list[str]) -> None:
+        if self.trace is not None:
+            sched = self.scheduler
+            limits = (sched.max_running, sched.max_batched_tokens, sched.cap_idle_steps)
+            self.trace.append(("schedule", self.clock.now_s, limits, chunks, preempted_ids))
+
+    # -- single steps ----------------------------------------------------------
+    def _start_step(self) -> None:
+        now = self.clock.now_s
+        if self.admission is not None:
+            limits = self.admission.before_step(len(self.scheduler.running), self._expire)
+            self.scheduler.set_step_limits(*limits)
+        if self.fast_forward and self._start_run():
+            return
+        out = self.scheduler.schedule()
+        for request in out.finished:  # outgrew the whole cache: ends with what it has
+            self.host.end(request.request_id, "success", 200, None)
+        if out.is_empty:
+            self.in_flight = None
+            return
+        if self.trace is not None:
+            self._log_schedule([(c.request.request_id, c.start, c.num_new_tokens, c.samples) for c in out.chunks],
+                               list(out.preempted_ids))
+        if self.admission is not None:
+            self.admission.on_scheduled(out.started_ids, out.scheduled_at)
+        shape = chunk_shape(out.chunks)
+        self.in_flight, self.in_flight_shape = out, shape
+        self.step_started_s = now
+        self.host.push_step_done(self, now + self.cost_model.step_time_s(shape))
+
+    def _expire(self, request_id: str, reason: Reason) -> None:
+        """An admitted request that did not start in time: the server answers 503."""
+        self._log(("abort", self.clock.now_s, request_id))
+        self.scheduler.abort(request_id)
+        self.host.end(request_id, "timed_out", 503, reason)
+
+    def _finish_step(self) -> None:
+        now = self.clock.now_s
+        out, shape = self.in_flight, self.in_flight_shape
+        assert out is not None and shape is not None
+        sampled = {c.request.request_id: SIM_TOKEN_ID for c in out.chunks if c.samples}
+        self._log(("update", now))
+        progressed = self.scheduler.update(out, sampled)
+        step_s = now - self.step_started_s
+        self.num_steps += 1
+        self.busy_s += step_s
+        if self.admission is not None:
+            # The step's decode sequences and prefill tokens, by the one
+            # rule (ScheduledChunk.is_decode) chunk_shape counts them with.
+            self.admission.on_step_end(shape.num_decode_seqs, shape.num_prefill_tokens, step_s)
+        for request in progressed:
+            if request.is_finished:
+                self.host.end(request.request_id, "success", 200, None)
+        self.in_flight = None
+        self._start_step()
+
+    # -- decode runs (multi-step fast forward) --------------------------------
+    def _start_run(self) -> bool:
+        """Start a decode run of at least two steps, if the batch is steady.
+        Valid with admission on because, with nothing waiting, no admitted
+        request is unstarted (nothing expires), and the step limits give
+        every running request its decode token (the budget only grows as
+        the batch shrinks), so the steps skip no before_step's effect."""
+        if self.run is not None and self._continue_run():
+            return True
+        run = plan_decode_run(self.scheduler, self.run_lengths.steps_planned, SIM_TOKEN_ID)
+        if run is None or run.num_steps < 2:
+            return False
+        self.num_decode_runs += 1
+        now = self.clock.now_s
+        self.run = ActiveRun(run, now, decode_step_ends_s(self.cost_model, now,
+                                                          run.step_shapes(0, self.run_lengths.steps_timed)))
+        self._schedule_run_step(0)
+        self.host.push_step_done(self, self.run.end_times[-1])
+        return True
+
+    def _continue_run(self) -> bool:
+        """After a joined step (_finish_joined_step): the run goes on with the
+        requests it started (DecodeRun.extend), instead of a new plan of the
+        whole batch, when the batch is steady and at least two planned steps
+        are left. Otherwise the run closes (False)."""
+        active = self.run
+        assert active is not None
+        run, step = active.run, active.next_update
+        if run.extend(step) and run.num_steps - step >= 2:
+            end_times = active.end_times
+            del end_times[step:]
+            end_times += decode_step_ends_s(self.cost_model, end_times[-1],
+                                            run.step_shapes(step, step + self.run_lengths.steps_timed))
+            active.last_step, active.first_step = run.num_steps - 1, step
+            self._schedule_run_step(step)
+            self.host.push_step_done(self, end_times[-1])
+            return True
+        run.close()
+        self.run = None
+        return False
+
+    def _schedule_run_step(self, step: int) -> None:
+        assert self.run is not None
+        run = self.run.run
+        run.schedule_step(step)
+        if self.trace is not None:
+            self._log_schedule([(r.request_id, start, 1, True) for r, start in run.batch_at(step)], [])
+
+    def _update_run_steps(self, last: int) -> None:
+        """Apply the run's updates up to step `last`, each at its own time, as
+        _finish_step would, then schedule the next step. Untraced (the hot
+        loop of an hour-long simulation) the run applies them in one call;
+        traced, step by step, logging the single steps the run stands for."""
+        if self.trace is None:
+            self._apply_run_steps(last)
+            return
+        active, clock, admission, trace = self.run, self.clock, self.admission, self.trace
+        assert active is not None
+        run, end_times = active.run, active.end_times
+        step = active.next_update
+        started_s = active.step_started_s(step)
+        for step in range(step, last + 1):
+            now = end_times[step]
+            clock.advance_to(now)
+            trace.append(("update", now))
+            finished = run.update_step(step, now)
+            active.next_update = step + 1
+            step_s = now - started_s
+            started_s = now
+            self.num_steps += 1
+            self.busy_s += step_s
+            if admission is not None:
+                admission.on_step_end(run.num_seqs[step], 0, step_s)
+            for request in finished:
+                self.host.end(request.request_id, "success", 200, None)
+            if step < active.last_step:
+                self._schedule_run_step(step + 1)
+
+    def _apply_run_steps(self, last: int) -> None:
+        """_update_run_steps without a trace: the run applies its steps with
+        events in one call, the step accounting and the admission loop's
+        step measurements take the stretch's step times at once (the same
+        sums, in step order), and each finish is reported at its step's end
+        as a single step would."""
+        active, admission = self.run, self.admission
+        assert active is not None
+        run, end_times = active.run, active.end_times
+        first = active.next_update
+        finished = run.apply_steps(last, end_times, active.last_step)
+        active.next_update = last + 1
+        starts = end_times[first - 1:last] if first else [active.started_s, *end_times[:last]]
+        steps_s = list(map(operator.sub, end_times[first:last + 1], starts))
+        self.busy_s = functools.reduce(operator.add, steps_s, self.busy_s)
+        self.num_steps += last + 1 - first
+        if admission is not None:
+            admission.on_steps_end(zip(run.num_seqs[first:last + 1], itertools.repeat(0), steps_s))
+        for step, request in finished:
+            self.clock.advance_to(end_times[step])
+            self.host.end(request.request_id, "success", 200, None)
+        self.clock.advance_to(end_times[last])
+
+    def _end_run_after_in_flight(self) -> None:
+        """Before a request is added: the run ends with the step in flight
+        (adding only queues the request; the step after sees it)."""
+        active = self.run
+        if active is None or active.last_step == active.next_update:
+            return
+        step = active.last_step = active.next_update
+        self.run_lengths.record(step + 1 - active.first_step, True)
+        self.host.push_step_done(self, active.end_times[step])
+
+    def _end_run_early(self) -> None:
+        """Before an abort changes the replica's batch: its run's in-flight
+        step becomes an ordinary in-flight step."""
+        active = self.run
+        if active is None:
+            return
+        step = active.next_update
+        out = active.run.in_flight_output(step)
+        if self.in_flight is None:
+            self.run_lengths.record(step + 1 - active.first_step, True)
+        else:  # a joined step (_join_waiting): the started requests' chunks follow the decodes
+            out.chunks += self.in_flight.chunks
+            out.num_batched_tokens += self.in_flight.num_batched_tokens
+        self.in_flight = out
+        self.in_flight_shape = chunk_shape(out.chunks)
+        self.step_started_s = active.step_started_s(step)
+        self.run = None
+        self.host.push_step_done(self, active.end_times[step])
+
+    def _finish_run(self) -> None:
+        if self.in_flight is not None:
+            self._finish_joined_step()
+            return
+        active = self.run
+        assert active is not None
+        if active.last_step >= len(active.end_times):
+            self._time_more_run_steps()
+            return
+        run = active.run
+        if active.last_step == run.num_steps - 1:
+            self.run_lengths.record(run.num_steps - active.first_step, False)
+        if active.next_update <= active.last_step:
+            self._update_run_steps(active.last_step)
+        if self._join_waiting():
+            return
+        run.close()
+        self.run = None
+        self._start_step()
+
+    def _time_more_run_steps(self) -> None:
+        """The end of the last step whose end time is known, inside the run:
+        the next stretch of end times. A run's steps are timed a stretch at
+        a time (a cost-model call per step), as most runs end early, at the
+        next arrival. The end times are those of timing all steps at once
+        (each adds its step time to the previous end)."""
+        active = self.run
+        assert active is not None
+        end_times = active.end_times
+        known = len(end_times)
+        end_times += decode_step_ends_s(self.cost_model, end_times[-1],
+                                        active.run.step_shapes(known, known + self.run_lengths.steps_timed))
+        self.host.push_step_done(self, end_times[-1])
+
+    def _join_waiting(self) -> bool:
+        """After a run step that requests arrived during: the next step is
+        the ordinary step that starts them beside the decodes (schedule()
+        gives every decode its token first), run as one more step of the
+        run with the started requests' chunks beside it, so that the
+        decodes need no schedule() / update() of their own. What single
+        steps do at that step's start happens here too (before_step,
+        on_scheduled). False, with no change but those, when the step is
+        not one the run can take: untraced runs only (a trace logs the
+        single steps), the step must lie inside the run, someone must be
+        waiting, and the token budget must hold every decode."""
+        active, scheduler = self.run, self.scheduler
+        assert active is not None
+        run, step = active.run, active.last_step + 1
+        if self.trace is not None or step >= run.num_steps or not len(scheduler.waiting):
+            return False
+        now = self.clock.now_s
+        if self.admission is not None:
+            scheduler.set_step_limits(*self.admission.before_step(len(scheduler.running), self._expire))
+        out = run.schedule_step_with_waiting(step)
+        if out is None:
+            return False
+        self.num_joined_steps += bool(out.chunks)
+        if self.admission is not None:
+            self.admission.on_scheduled(out.started_ids, out.scheduled_at)
+        # chunk_shape of the whole step: the run's decodes (each reads its
+        # context + 1 tokens and, computing one query, attends as many
+        # pairs) beside the started requests' chunks.
+        (num_seqs, kv_tokens), = run.step_shapes(step, step + 1)
+        started = chunk_shape(out.chunks)
+        shape = StepShape(started.num_prefill_tokens, started.num_decode_seqs + num_seqs,
+                          started.kv_tokens_read + kv_tokens, started.attention_pairs + kv_tokens)
+        end_s = now + self.cost_model.step_time_s(shape)
+        self.in_flight, self.in_flight_shape = out, shape
+        self.step_started_s = now
+        active.last_step = step
+        del active.end_times[step:]
+        active.end_times.append(end_s)
+        self.host.push_step_done(self, end_s)
+        return True
+
+    def _finish_joined_step(self) -> None:
+        """The end of a step _join_waiting started: what _finish_step does
+        for it, the decodes' part applied by the run."""
+        active, out, shape = self.run, self.in_flight, self.in_flight_shape
+        assert active is not None and out is not None and shape is not None
+        step = active.last_step
+        now = active.end_times[step]
+        finished = active.run.apply_steps(step, active.end_times, step)  # the decodes' updates first
+        active.next_update = step + 1
+        self.clock.advance_to(now)
+        progressed = self.scheduler.update(out, {c.request.request_id: SIM_TOKEN_ID
+                                                 for c in out.chunks if c.samples})
+        step_s = now - self.step_started_s
+        self.num_steps += 1
+        self.busy_s += step_s
+        if self.admission is not None:
+            self.admission.on_step_end(shape.num_decode_seqs, shape.num_prefill_tokens, step_s)
+        for _, request in finished:
+            self.host.end(request.request_id, "success", 200, None)
+        for request in progressed:
+            if request.is_finished:
+                self.host.end(request.request_id, "success", 200, None)
+        self.in_flight = None
+        self._start_step()  # continues the run, or closes it (_start_run)

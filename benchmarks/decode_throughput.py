@@ -101,7 +101,7 @@ def kvserve_decode(engine: EngineCore, prompts: list[list[int]], new_tokens: int
         pure_decode = scheduler.stats().num_waiting == 0 and all(
             r.num_tokens - r.num_computed_tokens == 1 for r in scheduler.running.values())
         step_start = time.perf_counter()
-        outputs = engine.step()
+        outputs = engine.step().outputs
         if pure_decode:
             step_s.append(time.perf_counter() - step_start)
             step_tokens.append(len(outputs))
@@ -122,7 +122,7 @@ def kvserve_mixed(engine: EngineCore, prompts: list[list[int]], new_tokens: int)
         engine.add_request(engine.new_request(prompt, params))
     num_tokens = 0
     while engine.has_unfinished():
-        num_tokens += len(engine.step())
+        num_tokens += len(engine.step().outputs)
     return num_tokens / (time.perf_counter() - start)
 
 

@@ -37,7 +37,7 @@ def run_staggered(engine, prompts, max_tokens):
         engine.add_request(request)
     final = {}
     while engine.has_unfinished():
-        final.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        final.update({o.request_id: o.token_ids for o in engine.step().outputs if o.finished})
     return [final[r.request_id] for r in requests]
 
 
@@ -149,8 +149,7 @@ def test_steps_that_capture_a_graph_are_flagged_and_left_out_of_the_warm_up_fit(
         engine.add_request(engine.new_request(
             prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
     while engine.has_unfinished():
-        engine.step()
-        captured.append(engine.last_step_captured)
+        captured.append(engine.step().captured_graph)
     # (4, 64) at 3 sequences, (2, 64), (1, 64), then (1, 128) past position 63:
     # exactly the steps that captured are flagged.
     assert set(graphs._graphs) == {(4, 64), (2, 64), (1, 64), (1, 128)}

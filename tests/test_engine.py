@@ -65,7 +65,7 @@ def test_stream_deltas_add_up_to_the_final_output(hf):
     engine.add_request(request)
     deltas = []
     while engine.has_unfinished():
-        deltas += engine.step()
+        deltas += engine.step().outputs
     final = deltas[-1]
     assert final.finished and final.finish_reason == "length"
     assert [t for d in deltas for t in d.new_token_ids] == final.token_ids
@@ -106,7 +106,7 @@ def test_abort_finishes_the_request_and_frees_its_blocks(hf):
     assert out.finished and out.finish_reason == "abort" and len(out.token_ids) == 2
     assert not engine.has_unfinished() and engine.scheduler.stats().kv_usage == 0
     assert engine.abort(request.request_id) is None
-    assert engine.step() == []
+    assert engine.step().outputs == []
 
 
 @pytest.fixture(scope="module")

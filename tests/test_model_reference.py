@@ -72,8 +72,9 @@ def test_chunked_prefill_under_a_32_token_budget_matches_hf(hf_model):
         engine.add_request(r)
     final, step_sizes = {}, []
     while engine.has_unfinished():
-        final.update({o.request_id: o for o in engine.step() if o.finished})
-        step_sizes.append(engine.last_scheduled.num_batched_tokens)
+        result = engine.step()
+        final.update({o.request_id: o for o in result.outputs if o.finished})
+        step_sizes.append(result.scheduled.num_batched_tokens)
     # The 90-token prompt can only have run in chunks of at most 32 tokens.
     assert max(step_sizes) == 32
     assert_matches_hf(hf_model, prompts, [final[r.request_id] for r in requests])

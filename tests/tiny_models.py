@@ -114,7 +114,7 @@ def run_to_completion(engine, prompts, params) -> dict:
         engine.add_request(request)
     final = {}
     for _ in range(10_000):
-        for output in engine.step():
+        for output in engine.step().outputs:
             if output.finished:
                 final[output.request_id] = output
         if not engine.has_unfinished():

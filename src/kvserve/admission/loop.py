@@ -72,6 +72,11 @@ class AdmissionLoop:
         follows), then the limits that step runs under."""
         for request_id, reason in self.controller.expired():
             abort(request_id, reason)
+        return self.next_step_limits(num_running)
+
+    def next_step_limits(self, num_running: int) -> StepLimits:
+        """The limits a step built now would run under, with `num_running`
+        sequences running (no state change)."""
         limits: StepLimits = self.controller.step_limits(num_running)
         return limits
 

@@ -6,21 +6,24 @@ scheduler (which requests run, KV blocks), the model runner (tensors, forward
 pass, sampling) and one incremental detokenizer per request (text deltas,
 stop strings). A request with a structured-output constraint waits outside
 the scheduler until its grammar is compiled (on the compiler's worker
-thread), so a large schema delays only its own request.
+thread), so a large schema delays only its own request. `step()` returns a
+`StepResult`: the outputs, the batch that ran (its shape, the requests it
+started) and whether it captured a CUDA graph.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+from kvserve.admission.step_limits import StepLimits
 from kvserve.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig, SchedulerConfig, parse_size
-from kvserve.contract import InvalidParameter, Request, RequestStatus, ResolvedVersions, SamplingParams
+from kvserve.contract import InvalidParameter, Request, RequestFactory, RequestStatus, ResolvedVersions, SamplingParams
 from kvserve.engine.outputs import RequestOutput
 from kvserve.model_facts.config import ModelConfig
 from kvserve.model.detokenizer import IncrementalDetokenizer
@@ -28,7 +31,7 @@ from kvserve.model.sampler import SamplerOutput, SamplingState, TokenLogprob
 from kvserve.model.quantized import check_quantization
 from kvserve.model_facts.tokenizer import Tokenizer
 from kvserve.runner.model_runner import ModelRunner
-from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput
+from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from kvserve.structured import CompiledGrammar, GrammarCompiler
 
 # How long an idle step waits for a grammar compile before returning empty.
@@ -69,6 +72,31 @@ class EngineConfig:
         check_quantization(self.quantization)
 
 
+class StepResult(NamedTuple):
+    """What one `EngineCore.step()` did."""
+
+    outputs: list[RequestOutput]  # every request that got a token or finished
+    scheduled: SchedulerOutput  # the batch that ran: its chunks, the requests it started and when
+    captured_graph: bool  # the step captured a CUDA graph: its time holds that one-off cost
+
+    @property
+    def num_decode_seqs(self) -> int:
+        return self.scheduled.num_decode_seqs
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.scheduled.num_prefill_tokens
+
+    @property
+    def started_ids(self) -> list[str]:
+        """Requests scheduled for the first time (at `scheduled.scheduled_at`)."""
+        return self.scheduled.started_ids
+
+    @property
+    def finished_ids(self) -> list[str]:
+        return [o.request_id for o in self.outputs if o.finished]
+
+
 class _RequestState:
     """Engine-side state of one unfinished request beside the scheduler's Request."""
 
@@ -104,9 +132,11 @@ class EngineCore:
             CacheConfig(num_blocks=self.runner.num_blocks, block_size=config.block_size,
                         enable_prefix_caching=config.enable_prefix_caching),
             clock=clock)
-        # Prefix-cache namespace: KV computed by other weights must never be reused.
-        self.cache_namespace = versions.model_revision if versions is not None else ""
-        self.eos_token_ids = tokenizer.eos_token_ids
+        self.versions = versions
+        # The prefix-cache namespace names the weights: KV computed by other
+        # weights must never be reused.
+        self.requests = RequestFactory(tokenizer.eos_token_ids,
+                                       versions.model_revision if versions is not None else "", clock)
         self._states: dict[str, _RequestState] = {}
         # The subset of running requests that the sampler keeps state for.
         self._sampling_states: dict[str, SamplingState] = {}
@@ -115,24 +145,15 @@ class EngineCore:
         # Structured outputs: compiled off the engine thread, cached per schema.
         # The server may `submit` a request's constraint before adding it.
         self.structured = GrammarCompiler(tokenizer, model_config.vocab_size)
-        self._ids = itertools.count()
-        # The latest step's batch: its shape (decode sequences, prefill
-        # tokens) feeds the server's step-time model.
-        self.last_scheduled = SchedulerOutput()
-        # The latest step captured a CUDA graph: its time holds a one-off cost,
-        # not the step's own, and must not feed the step-time model.
-        self.last_step_captured = False
 
     # -- requests in and out -------------------------------------------------
     def new_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
-                    request_id: str | None = None, arrival_time: float | None = None,
-                    **fields) -> Request:
-        """A Request carrying this engine's EOS token, clock and cache namespace;
-        `fields` are other Request fields (priority, tenant, deadline)."""
-        return Request(request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
-                       prompt_token_ids=list(prompt_token_ids), sampling_params=sampling_params,
-                       arrival_time=self.clock() if arrival_time is None else arrival_time,
-                       eos_token_ids=self.eos_token_ids, cache_namespace=self.cache_namespace, **fields)
+                    request_id: str | None = None, arrival_time: float | None = None, priority: int = 0,
+                    tenant: str = "default", deadline: float | None = None) -> Request:
+        """A Request for this engine (`RequestFactory.build`: its EOS tokens,
+        clock and cache namespace)."""
+        return self.requests.build(prompt_token_ids, sampling_params, request_id=request_id,
+                                   arrival_time=arrival_time, priority=priority, tenant=tenant, deadline=deadline)
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ValueError (engine unchanged) if its prompt has
@@ -215,16 +236,42 @@ class EngineCore:
         self._sampling_states.pop(request_id, None)
         return self._states.pop(request_id)
 
+    # -- what the serving loop asks of it ----------------------------------------
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def prefix_hit_tokens(self, request: Request) -> int:
+        """Tokens of a request not yet added that the prefix cache would serve
+        now (admission's projection); no state change."""
+        return self.scheduler.prefix_hit_tokens(request)
+
+    def set_step_limits(self, limits: StepLimits) -> None:
+        """The limits the next step is built under (Scheduler.set_step_limits)."""
+        self.scheduler.set_step_limits(*limits)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached block no request holds and zero the prefix-cache
+        and preemption totals (after a warm-up)."""
+        self.scheduler.reset_prefix_cache()
+
     # -- the step ------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one forward pass; outputs for every request that got a token or finished."""
+    def step(self) -> StepResult:
+        """Run one forward pass: schedule -> execute -> update (after queueing the
+        requests whose grammar finished compiling)."""
         failed = self._start_compiled()
         scheduled = self.scheduler.schedule()
         captures = self.runner.num_graph_captures
         sampled = self.runner.execute(scheduled, self._sampling_states)
-        self.last_scheduled = scheduled
-        self.last_step_captured = self.runner.num_graph_captures != captures
-        return failed + self._process(scheduled, sampled)
+        outputs = failed + self._process(scheduled, sampled)
+        return StepResult(outputs, scheduled, self.runner.num_graph_captures != captures)
 
     def _process(self, scheduled: SchedulerOutput, sampled: SamplerOutput) -> list[RequestOutput]:
         progressed = self.scheduler.update(scheduled, sampled.token_ids)

@@ -89,7 +89,7 @@ class LLM:
             raise
         final: dict[str, RequestOutput] = {}
         while len(final) < len(requests):
-            for output in engine.step():
+            for output in engine.step().outputs:
                 if output.finished:
                     final[output.request_id] = output
         return [final[r.request_id] for r in requests]

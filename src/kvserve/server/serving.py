@@ -1,6 +1,7 @@
-"""The bridge from HTTP to the engine: validate and tokenize, ask admission,
-hand the request to the async engine, and turn its stream into a JSON body
-or SSE chunks.
+"""The bridge from HTTP to the engine: validate and tokenize (refusing early,
+before tokenizing, what admission would refuse at any size), build the
+request, hand it to the async engine (whose thread makes the admission
+decision), and turn its stream into a JSON body or SSE chunks.
 
 Headers are sent only after the request is admitted and has produced its
 first token, so a refused, timed-out or failed request always gets an honest
@@ -16,17 +17,19 @@ import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvserve.admission.controller import AdmissionController
-from kvserve.admission.decision import AdmissionRequest, Outcome, Reason
+from kvserve.admission.decision import AdmissionDecision, Outcome, Reason
+from kvserve.admission.loop import AdmissionLoop
 from kvserve.admission.step_limits import StepLimits
 from kvserve.admission.step_time import MIN_FIT_STEPS
 from kvserve.config import AdmissionConfig, ServerConfig
-from kvserve.contract import InvalidParameter, Request, ResolvedVersions
+from kvserve.contract import InvalidParameter, ResolvedVersions
 from kvserve.engine.async_engine import AsyncEngine, Finished, RequestStream, StepReport
+from kvserve.engine.core import EngineCore
 from kvserve.metrics import ServerMetrics
 from kvserve.server import protocol
 from kvserve.server.tenants import Tenant, TenantDirectory
@@ -34,7 +37,6 @@ from kvserve.server.transport import reader_stalled
 
 log = logging.getLogger(__name__)
 
-WATCHDOG_PERIOD_S = 0.1
 # Rejection reasons that mean "the system is full" vs "you are over your share".
 RATE_LIMITED_REASONS = {Reason.TENANT_QUOTA}
 CLIENT_ABORTS = {"disconnect", "stalled"}
@@ -64,11 +66,6 @@ def bad_request(exc: InvalidParameter) -> APIError:
 
 
 @dataclass
-class _Context:
-    num_prompt_tokens: int
-
-
-@dataclass
 class _Prepared:
     """A validated request before admission."""
 
@@ -87,9 +84,9 @@ class _Prepared:
 
 
 class Serving:
-    """Owns the async engine, admission controller, metrics and tenants."""
+    """Owns the async engine, the admission loop it drives, metrics and tenants."""
 
-    def __init__(self, core, admission_config: AdmissionConfig, server_config: ServerConfig,
+    def __init__(self, core: EngineCore, admission_config: AdmissionConfig, server_config: ServerConfig,
                  tenants: TenantDirectory | None = None, clock: Callable[[], float] = time.monotonic,
                  versions: ResolvedVersions | None = None) -> None:
         self.core = core
@@ -98,28 +95,25 @@ class Serving:
         self.tenants = tenants or TenantDirectory()
         self.clock = clock
         self.tokenizer = core.tokenizer
-        self.versions = versions or getattr(core, "versions", None)
+        self.versions = versions or core.versions
         if self.versions is None:
             raise ValueError("Serving needs the resolved versions (pass versions=, e.g. LoadedModel.versions)")
         self.vocab_size = core.model_config.vocab_size
         self.model_name = server_config.served_model_name
         self.max_model_len = core.max_model_len
-        self.max_num_batched_tokens = core.scheduler.config.max_num_batched_tokens
-        kv = core.scheduler.kv_cache
-        self.admission = AdmissionController(admission_config, kv.num_blocks, kv.block_size,
-                                             core.scheduler.config.max_num_seqs, clock, self.tenants.limits())
+        self.max_num_batched_tokens = core.config.max_num_batched_tokens
+        self.admission = AdmissionLoop(AdmissionController(
+            admission_config, core.num_kv_blocks, core.config.block_size, core.config.max_num_seqs, clock,
+            self.tenants.limits()))
         self.metrics = ServerMetrics(self.model_name, admission_config.ttft_slo_s, admission_config.tpot_slo_s)
         self.metrics.record_weights(core.runner.model.weight_formats())
-        self.engine = AsyncEngine(core, on_step=self._on_step)
-        self._contexts: dict[str, _Context] = {}
-        self._step_limits = StepLimits(core.scheduler.config.max_num_seqs, None)
+        self.engine = AsyncEngine(core, self.admission, on_step=self._on_step)
         # Request ids: a random per-process prefix and a counter. uuid4 per
         # request costs an urandom syscall, which hands the GIL to the engine
         # thread on every request (measurable under overload).
         self._id_prefix = secrets.token_hex(6)
         self._id_counter = itertools.count()
         self._chat_bytes_per_message = self._chat_template_overhead_bytes()
-        self._watchdog: asyncio.Task | None = None
         self.started = False
         self.draining = False
         self._drain_deadline = 0.0  # monotonic time the drain aborts what is left
@@ -131,7 +125,6 @@ class Serving:
             await self._warm_up()
             await _load_streaming_backend()
         self.engine.start()
-        self._watchdog = asyncio.create_task(self._watch())
         self.started = True
 
     async def _warm_up(self) -> None:
@@ -145,11 +138,10 @@ class Serving:
         except Exception:
             log.exception("warm-up failed; starting cold")
             return
-        for step in steps:
-            self.admission.observe_step(*step)
-        self._push_step_limits(0)
+        limits = self.admission.next_step_limits(0)  # the engine thread has not started: no lock
+        self._record_limits(limits)
         log.info("warm-up: %d steps in %.2f s; running cap %d", len(steps), time.perf_counter() - start,
-                 self._step_limits.max_running)
+                 limits.max_running)
 
     async def drain(self, grace_s: float) -> None:
         """Stop admitting; let in-flight requests finish for up to grace_s,
@@ -165,62 +157,36 @@ class Serving:
             await asyncio.sleep(0.02)
 
     async def stop(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
         await self.engine.stop()
 
     @property
     def ready(self) -> bool:
         return self.started and not self.draining and self.engine.dead is None
 
-    async def _watch(self) -> None:
-        """Abort requests that did not start in time. (Stalled readers are
-        caught per connection, in server/transport.py.)"""
-        while True:
-            await asyncio.sleep(WATCHDOG_PERIOD_S)
-            try:
-                for rid, reason in self.admission.expired():
-                    self.engine.abort(rid, reason)
-            except Exception:
-                log.exception("watchdog failed")
-
-    # ---- engine events (event loop thread) --------------------------------
+    # ---- engine events (event loop thread): metrics ---------------------------
 
     def _on_step(self, report: StepReport) -> None:
-        for rid in report.started_ids:
-            self.admission.on_start(rid)
         for done in report.finished:
             self._on_finished(done)
-        if not report.captured_graph:  # a capture's one-off time would skew the step-time fit
-            self.admission.observe_step(report.num_decode_seqs, report.num_prefill_tokens, report.step_s)
         self.metrics.record_step(report.num_decode_seqs, report.num_prefill_tokens, report.step_s)
-        num_running = 0
         if report.stats is not None:
             s = report.stats
-            num_running = s.num_running
             self.metrics.record_stats(s.num_running, s.num_waiting, s.kv_usage, s.num_preemptions,
                                       s.prefix_cache_queries, s.prefix_cache_hits)
-        self._push_step_limits(num_running)
+        if report.limits is not None:
+            self._record_limits(report.limits)
 
-    def _push_step_limits(self, num_running: int) -> None:
-        """The same limits the simulator sets before each step."""
-        limits = self.admission.step_limits(num_running)
-        if limits != self._step_limits:
-            self._step_limits = limits
-            self.engine.set_step_limits(*limits)
+    def _record_limits(self, limits: StepLimits) -> None:
         self.metrics.running_cap.set(limits.max_running)
         tokens = limits.max_batched_tokens
         self.metrics.step_token_budget.set(self.max_num_batched_tokens if tokens is None
                                            else min(tokens, self.max_num_batched_tokens))
 
     def _on_finished(self, done: Finished) -> None:
-        context = self._contexts.pop(done.request_id, None)
-        num_prompt = context.num_prompt_tokens if context else 0
-        self.admission.on_finish(done.request_id, num_prompt + done.num_output_tokens)
         if done.abort_reason in CLIENT_ABORTS:
             self.metrics.record_cancellation(done.abort_reason)
-        if done.error is None and context is not None:
-            self.metrics.record_finished(done.timestamps, num_prompt, done.num_output_tokens,
+        if done.error is None:
+            self.metrics.record_finished(done.timestamps, done.num_prompt_tokens, done.num_output_tokens,
                                          done.finish_reason)
 
     # ---- requests ----------------------------------------------------------
@@ -236,23 +202,28 @@ class Serving:
         """Serve one /v1/completions or /v1/chat/completions request."""
         self._refuse_if_unavailable()
         prepared = self._prepare(kind, body, tenant, headers)
-        request = Request(prepared.request_id, prepared.prompt_token_ids, prepared.params,
-                          arrival_time=prepared.arrival, eos_token_ids=self.tokenizer.eos_token_ids,
-                          priority=prepared.priority, tenant=tenant.name, deadline=prepared.deadline,
-                          cache_namespace=self._namespace(tenant))
-        decision, request.sampling_params = self._admit(prepared, request)
-        response_headers = self._headers(prepared, decision, request.sampling_params)
-        self._contexts[request.request_id] = _Context(len(prepared.prompt_token_ids))
-        stream = self.engine.add(request)
+        request = self.core.new_request(prepared.prompt_token_ids, prepared.params, request_id=prepared.request_id,
+                                        arrival_time=prepared.arrival, priority=prepared.priority,
+                                        tenant=tenant.name, deadline=prepared.deadline)
+        stream = self.engine.add(request, prepared.is_retry)
         shape = protocol.ResponseShape(kind, prepared.request_id, self.model_name,
                                        self.versions.fingerprint, self.tokenizer.token_text)
         watcher = asyncio.create_task(self._abort_on_disconnect(http_request, prepared.request_id))
         try:
             first = await stream.next()
+            decision = first if isinstance(first, AdmissionDecision) else None
+            if decision is not None:
+                self.metrics.record_admission(decision.outcome, decision.reason)
+                if decision.admitted:
+                    first = await stream.next()
         except BaseException:
             watcher.cancel()
             self.engine.abort(prepared.request_id, "disconnect")
             raise
+        if decision is not None and not decision.admitted:
+            watcher.cancel()
+            raise _rejection(decision)
+        response_headers = self._headers(prepared, decision)
         if isinstance(first, Finished) and first.num_output_tokens == 0:
             watcher.cancel()
             raise self._ended_without_output(first)
@@ -315,7 +286,7 @@ class Serving:
         bound = self._prompt_token_bound(kind, body)
         if bound is None or not self._size_cannot_be_refused(bound, body, tenant):
             return
-        decision = self.admission.refusal_for_any_size(priority, tenant.name, is_retry, deadline)
+        decision = self.engine.early_refusal(priority, tenant.name, is_retry, deadline)
         if decision is not None:
             self.metrics.record_admission(decision.outcome, decision.reason)
             raise _rejection(decision)
@@ -353,7 +324,8 @@ class Serving:
             requested = self.admission_config.default_max_tokens
         if requested < 1 or bound + requested > self.max_model_len:
             return False
-        if self.admission.blocks_needed(bound, requested) > self.admission.num_blocks:
+        controller = self.admission.controller
+        if controller.blocks_needed(bound, requested) > controller.num_blocks:
             return False
         tokens_per_minute = tenant.limits.tokens_per_minute
         return tokens_per_minute is None or bound + requested <= tokens_per_minute
@@ -426,41 +398,16 @@ class Serving:
                            param="x-kvserve-deadline-s")
         return arrival + seconds
 
-    def _admit(self, p: _Prepared, engine_request: Request):
-        cached = self._cached_tokens(engine_request)
-        request = AdmissionRequest(p.request_id, len(p.prompt_token_ids), p.params.max_tokens, cached,
-                                   p.priority, p.tenant.name, p.is_retry, p.deadline)
-        decision = self.admission.decide(request)
-        self.metrics.record_admission(decision.outcome, decision.reason)
-        if not decision.admitted:
-            raise _rejection(decision)
-        params = p.params
-        if decision.max_tokens is not None and decision.max_tokens < params.max_tokens:
-            params = replace(params, max_tokens=decision.max_tokens,
-                             min_tokens=min(params.min_tokens, decision.max_tokens))
-        return decision, params
-
-    def _cached_tokens(self, request: Request) -> int:
-        # Read from the event loop while the engine thread may change the
-        # cache: a lookup is a few dict reads, and a stale answer only makes
-        # the projection slightly off, so no lock is taken.
-        try:
-            return self.core.scheduler.prefix_hit_tokens(request)
-        except Exception:
-            return 0
-
-    def _namespace(self, tenant: Tenant) -> str:
-        # Tenants never share cached KV: a prefix hit would reveal another
-        # tenant's prompt through timing.
-        return f"{self.versions.model_revision}:{tenant.name}"
-
-    def _headers(self, p: _Prepared, decision, params) -> dict[str, str]:
+    def _headers(self, p: _Prepared, decision: AdmissionDecision | None) -> dict[str, str]:
+        """The response headers of an admitted request; `decision` None only
+        when the engine failed before deciding (the response is an error)."""
         headers = self.version_headers()
         headers["x-request-id"] = p.request_id
+        max_tokens = decision.max_tokens if decision is not None and decision.max_tokens else p.params.max_tokens
         if p.max_tokens_defaulted:
-            headers["x-kvserve-max-tokens"] = str(params.max_tokens)
-        if decision.outcome == Outcome.DEGRADE:
-            headers["x-kvserve-degraded"] = f"max_tokens={params.max_tokens}"
+            headers["x-kvserve-max-tokens"] = str(max_tokens)
+        if decision is not None and decision.outcome == Outcome.DEGRADE:
+            headers["x-kvserve-degraded"] = f"max_tokens={max_tokens}"
         return headers
 
     def version_headers(self) -> dict[str, str]:

@@ -155,7 +155,7 @@ def test_a_fit_never_extrapolates_past_its_knots():
     assert sum(errors) / len(errors) == pytest.approx(stats["mean_abs_rel_error"], rel=1e-9, abs=1e-12)
 
 
-# Steps of tests/test_sim_profile.py's tiny sweep timed on a machine with
+# Steps of tests/test_engine_profile.py's tiny sweep timed on a machine with
 # every core busy (the same 8-token step took 25 ms and 1.3 ms): (prefill
 # tokens, decode seqs, KV tokens read, attention pairs), seconds.
 NOISY_TINY_SWEEP = [((1, 0, 1, 1), 0.001492), ((4, 0, 4, 10), 0.009021), ((16, 0, 16, 136), 0.009848),

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvserve.sim.cost_model import fit_linear_cost_model, load_profile, profile_json
-from kvserve.sim.profile import ProfileGrid, time_engine_steps
+from kvserve.engine.profile import ProfileGrid, time_engine_steps
 
 from .tiny_models import tiny_engine, tiny_llama
 
@@ -43,7 +43,7 @@ def test_profile_document_is_accepted_by_simulate(tmp_path):
 
 
 def test_token_sweep_times_each_size_alone_and_becomes_the_curve(tmp_path):
-    from kvserve.sim.profile import swept_tokens
+    from kvserve.engine.profile import swept_tokens
 
     core = tiny_engine(tiny_llama(), num_blocks=256, max_num_batched_tokens=64, max_num_seqs=16)
     grid = ProfileGrid(prefill_tokens=(0, 8), decode_batch=(0, 1, 4), context=(8, 40), repeats=2,

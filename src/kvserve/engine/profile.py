@@ -8,9 +8,9 @@ token is a cheap matrix-vector product; 8 rows can cost more than 24). Then,
 for each context length, `batch` requests are prefilled (untimed) and timed
 while decoding, which separates the cost of the context read from the
 tokens; then a fresh prompt of each prefill size joins the batch and that
-mixed step is timed. Each timed step's shape comes from the
-scheduler's own output, so the fit sees exactly what the simulator will ask
-about. Steps are whole `EngineCore.step()` calls (schedule, forward pass,
+mixed step is timed. Each timed step's shape comes from the batch
+the step ran (`StepResult.scheduled`), so the fit sees exactly what the
+simulator will ask about. Steps are whole `EngineCore.step()` calls (schedule, forward pass,
 sampling, update, detokenize), the same unit the server's loop runs.
 
 Each grid point is timed `--repeats` times and the fit takes the median;
@@ -30,10 +30,13 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvserve.engine.cli import add_engine_arguments, engine_config, set_torch_threads
 from kvserve.sim.cost_model import StepShape, chunk_shape, fit_linear_cost_model, profile_json
+
+if TYPE_CHECKING:  # imported when profiling starts, so `--help` does not load torch
+    from kvserve.engine.core import EngineCore
 
 
 # Dense where a CPU's small-GEMM kernels change cost sharply, sparse above.
@@ -78,45 +81,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="profile.json", help="where to write the profile JSON")
 
 
-class _RecordingScheduler:
-    """A scheduler that tells a _StepTimer the shape of each schedule() it
-    hands out, and is otherwise the scheduler it wraps. A wrapper, not a
-    replaced method: the compiled scheduler's methods cannot be replaced."""
-
-    def __init__(self, scheduler, timer: _StepTimer) -> None:
-        self._scheduler, self._timer = scheduler, timer
-
-    def schedule(self):
-        out = self._scheduler.schedule()
-        self._timer._last_shape = chunk_shape(out.chunks)
-        return out
-
-    def __getattr__(self, name: str):
-        return getattr(self._scheduler, name)
-
-
 class _StepTimer:
-    """Times `EngineCore.step()` and remembers the shape it ran."""
+    """Times `EngineCore.step()` and keeps the shape of the batch it ran."""
 
-    def __init__(self, core) -> None:
+    def __init__(self, core: EngineCore) -> None:
         self.core = core
         self.samples: list[tuple[StepShape, float]] = []
         self.jitter: list[float] = []  # each repeat over its grid point's median
-        self._last_shape: StepShape | None = None
-        # This one engine's scheduler behind a recorder: the step stays the
-        # real one.
-        core.scheduler = _RecordingScheduler(core.scheduler, self)
 
-    def close(self) -> None:
-        """Give the engine its own scheduler back."""
-        self.core.scheduler = self.core.scheduler._scheduler
+    def _timed_step(self) -> tuple[StepShape, float]:
+        start = time.perf_counter()
+        result = self.core.step()
+        return chunk_shape(result.scheduled.chunks), time.perf_counter() - start
 
     def step(self, timed: bool) -> None:
-        start = time.perf_counter()
-        self.core.step()
-        elapsed = time.perf_counter() - start
-        if timed and self._last_shape is not None and self._last_shape.num_tokens:
-            self.samples.append((self._last_shape, elapsed))
+        shape, elapsed = self._timed_step()
+        if timed and shape.num_tokens:
+            self.samples.append((shape, elapsed))
 
     def step_median(self, repeats: int, before_each=None, after_each=None) -> None:
         """Time `repeats` steps of (nearly) one shape and keep their median:
@@ -127,12 +108,10 @@ class _StepTimer:
         measured = []
         for _ in range(repeats):
             joining = before_each() if before_each else None
-            start = time.perf_counter()
-            self.core.step()
-            measured.append((self._last_shape, time.perf_counter() - start))
+            measured.append(self._timed_step())
             if after_each:
                 after_each(joining)
-        measured = [m for m in measured if m[0] is not None and m[0].num_tokens]
+        measured = [m for m in measured if m[0].num_tokens]
         if measured:
             times = sorted(t for _, t in measured)
             shape = measured[len(measured) // 2][0]
@@ -142,7 +121,7 @@ class _StepTimer:
                 self.jitter.extend(t / median for _, t in measured)
 
 
-def _add(core, rng: random.Random, num_tokens: int, max_tokens: int):
+def _add(core: EngineCore, rng: random.Random, num_tokens: int, max_tokens: int):
     from kvserve.contract import SamplingParams
 
     vocab = core.model_config.vocab_size
@@ -176,7 +155,7 @@ def swept_tokens(samples: list[tuple[StepShape, float]], grid: ProfileGrid) -> t
     return tuple(sorted(n for n in set(grid.tokens) if n in timed))
 
 
-def time_engine_steps(core, grid: ProfileGrid) -> TimedSteps:
+def time_engine_steps(core: EngineCore, grid: ProfileGrid) -> TimedSteps:
     """(shape, seconds) of timed `core.step()` calls over the grid, and the
     repeats' spread. The core must be idle; it is left idle."""
     timer = _StepTimer(core)
@@ -190,16 +169,15 @@ def time_engine_steps(core, grid: ProfileGrid) -> TimedSteps:
         if context + 1 >= core.max_model_len:
             raise ValueError(f"context {context} does not fit the model's {core.max_model_len} tokens")
         _measure_context(core, timer, rng, context, grid, deadline)
-    timer.close()
     return TimedSteps(timer.samples, timer.jitter)
 
 
-def _measure_token_sweep(core, timer: _StepTimer, rng: random.Random, grid: ProfileGrid,
+def _measure_token_sweep(core: EngineCore, timer: _StepTimer, rng: random.Random, grid: ProfileGrid,
                          deadline: float) -> None:
     """One fresh prompt of each sweep size alone in its prefill step. Sizes
     the engine would split into chunks (over its token budget) or cannot
     hold are skipped: such a step would not have the size asked for."""
-    limit = min(core.scheduler.config.max_num_batched_tokens, core.max_model_len - 1)
+    limit = min(core.config.max_num_batched_tokens, core.max_model_len - 1)
     for num_tokens in sorted(set(grid.tokens)):
         if num_tokens > limit or time.perf_counter() > deadline:
             continue
@@ -207,7 +185,7 @@ def _measure_token_sweep(core, timer: _StepTimer, rng: random.Random, grid: Prof
                           lambda joining: core.abort(joining.request_id))
 
 
-def _measure_context(core, timer: _StepTimer, rng: random.Random, context: int,
+def _measure_context(core: EngineCore, timer: _StepTimer, rng: random.Random, context: int,
                      grid: ProfileGrid, deadline: float) -> None:
     """Fill the largest batch once, then measure it and shrink it by aborting."""
     batches = sorted(grid.decode_batch, reverse=True)

@@ -142,10 +142,8 @@ def _canonical_schema(spec: Any) -> str:
     return text
 
 
-# A plain Python class also when kvserve is compiled (kvserve/compiled): it
-# takes whatever a caller passes (a list for a tuple, a string for an int)
-# and names the wrong field, where a compiled class would refuse the type
-# before its own checks run.
+# A plain Python class in the compiled core too, so its own checks name a
+# wrong field (kvserve/compiled says why).
 @mypyc_attr(native_class=False)
 @dataclass(frozen=True)
 class SamplingParams:
@@ -175,7 +173,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # The fields as given, untyped: only the checks below make them what
-        # the annotations say (compiled code would check a typed read first).
+        # the annotations say.
         given: Any = SimpleNamespace(**vars(self))
         # Accept any iterable (lists from JSON, a bare string) and store tuples
         # so the params stay hashable and immutable.

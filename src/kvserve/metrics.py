@@ -14,6 +14,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the /metrics route)
 
+from kvserve.admission.decision import Outcome, Reason
 from kvserve.contract import RequestTimestamps
 from kvserve.latency import derive_latency
 
@@ -81,7 +82,7 @@ class ServerMetrics:
         self.prefix_hits = self._counter("vllm:prefix_cache_hits",
                                          "Prompt tokens served from the prefix cache.")
         self.admission = self._counter("kvserve_admission_decisions",
-                                       "Front-door decisions by outcome (admit|degrade|reject) and reason.",
+                                       "Front-door decisions by outcome (" + "|".join(Outcome) + ") and reason.",
                                        ["outcome", "reason"])
         self.cancellations = self._counter("kvserve_cancellations",
                                            "Requests aborted by the client side (disconnect, stalled reader).",
@@ -175,8 +176,10 @@ class ServerMetrics:
         for weight_format, num_bytes in bytes_by_format.items():
             self.weight_bytes.labels(model_name=self.model_name, format=weight_format).set(num_bytes)
 
-    def record_admission(self, outcome: str, reason: str | None) -> None:
-        self.admission.labels(model_name=self.model_name, outcome=outcome, reason=reason or "none").inc()
+    def record_admission(self, outcome: Outcome, reason: Reason | None) -> None:
+        """One front-door decision; the labels are the enums' wire strings."""
+        self.admission.labels(model_name=self.model_name, outcome=outcome.value,
+                              reason="none" if reason is None else reason.value).inc()
 
     def record_cancellation(self, reason: str) -> None:
         self.cancellations.labels(model_name=self.model_name, reason=reason).inc()

@@ -35,8 +35,8 @@ class AdmissionLoop:
     """One replica's admission, step by step (see the module docstring)."""
 
     def __init__(self, controller: Any) -> None:
-        # An AdmissionController; Any because a simulation with a trace hands
-        # a proxy that logs every call (sim/replica.py).
+        # An AdmissionController, or the proxy a traced simulation hands in
+        # to log every call (sim/replica.py); Any for that (kvserve/compiled).
         self.controller = controller
 
     # ---- arrivals ----------------------------------------------------------

@@ -174,7 +174,7 @@ class DecodeRun:
             return max_steps  # frees only add: every step fits
         events, n, last_steps = self._events, self._n, self._last_step
         for key in events:
-            step2 = key // n  # divmod(), without its tuple (native ints when compiled)
+            step2 = key // n  # divmod() without its tuple (kvserve/compiled)
             index = key - step2 * n
             if step2 & 1:  # an allocation for step (step2 + 1) / 2
                 if available == 0:
@@ -331,10 +331,10 @@ class DecodeRun:
         finished = []
         # _allocate and _update inline (the hot loop of a simulated hour).
         requests, starts, last_steps = self.requests, self._start, self._last_step
-        kv = self._kv  # its methods called through it: direct calls when compiled (kvserve/compiled)
+        kv = self._kv  # its methods called through a local (kvserve/compiled)
         token_id = self._token_id
         for key in events[lo:hi]:
-            step2 = key // n  # divmod(), without its tuple (native ints when compiled)
+            step2 = key // n  # divmod() without its tuple (kvserve/compiled)
             index = key - step2 * n
             if step2 & 1:  # the allocation for step (step2 + 1) / 2: one new block
                 if kv.append_block(requests[index].request_id) is None:

@@ -189,3 +189,20 @@ def test_each_stream_opens_with_its_decision_and_a_degraded_request_runs_capped(
     capped = [s for s in specs if decided[f"r{s.index}"].outcome == Outcome.DEGRADE]
     assert capped and all(held[f"r{s.index}"] <= s.prompt_tokens + 12 < s.prompt_tokens + s.output_tokens
                           for s in capped if s.output_tokens > 12)
+
+
+def test_a_degraded_request_leaves_the_decision_with_max_and_min_tokens_capped():
+    # A full cache and one request queued already (within the cold allowance):
+    # a long request fits only degraded (as test_admission's degrade test).
+    clock = VirtualClock()
+    config = AdmissionConfig(degrade_wait_s=0.5, degrade_max_tokens=16)
+    loop = AdmissionLoop(AdmissionController(config, 10, 16, 64, clock))
+    factory = RequestFactory((0,), "ns", clock)
+    for _ in range(9):
+        assert loop.decide(factory.build([1] * 16, SamplingParams(max_tokens=16)), 0).admitted
+    long = factory.build([1] * 16, SamplingParams(max_tokens=64, min_tokens=30))
+    params = long.sampling_params
+    decision = loop.decide(long, 0)
+    assert (decision.outcome, decision.max_tokens) == (Outcome.DEGRADE, 16)
+    assert (long.sampling_params.max_tokens, long.sampling_params.min_tokens) == (16, 16)
+    assert long.sampling_params == SamplingParams(max_tokens=16, min_tokens=16) and params.max_tokens == 64

@@ -114,3 +114,20 @@ def test_summarize_percentiles():
     assert s["count"] == 100 and s["mean"] == pytest.approx(50.5)
     assert s["p50"] == pytest.approx(50.5) and s["p99"] == pytest.approx(99.01)
     assert summarize([])["p50"] is None
+
+
+def test_the_request_factory_applies_one_engines_rules():
+    from kvserve.contract import RequestFactory
+
+    now = [5.0]
+    factory = RequestFactory((2, 0), "rev1", lambda: now[0])
+    params = SamplingParams(max_tokens=3)
+    a = factory.build([1, 2, 3], params, tenant="alice", priority=1, deadline=9.0)
+    b = factory.build((4, 5), params, request_id="chosen", arrival_time=1.5)
+    assert (a.request_id, a.arrival_time, a.eos_token_ids, a.priority, a.deadline) == ("req-0", 5.0, (2, 0), 1, 9.0)
+    assert (b.request_id, b.arrival_time, b.prompt_token_ids, b.tenant) == ("chosen", 1.5, [4, 5], "default")
+    assert factory.build([1], params).request_id == "req-2"
+    # Tenants never share cached KV, nor do different weights.
+    assert a.cache_namespace == "rev1:alice" and b.cache_namespace == "rev1:default"
+    other_weights = RequestFactory((2,), "rev2", lambda: 0.0).build([1, 2, 3], params, tenant="alice")
+    assert len({a.cache_namespace, b.cache_namespace, other_weights.cache_namespace}) == 3

@@ -191,3 +191,21 @@ def test_bfloat16_engine_tracks_float32_logits(hf):
     assert bf16.token_ids == f32.token_ids
     for token_id, value in bf16.logprobs[0].top[:3]:
         assert abs(value - reference[token_id]) < 0.1
+
+
+def test_a_step_returns_what_it_ran_started_and_finished(hf):
+    engine = tiny_engine(hf, max_num_batched_tokens=16)
+    long, short = (engine.new_request(p, SamplingParams(max_tokens=n, ignore_eos=True))
+                   for p, n in zip(random_prompts([20, 3], seed=9), (3, 1)))
+    engine.add_request(long)
+    engine.add_request(short)
+    first = engine.step()  # 16 tokens of the long prompt; the short one waits for room
+    assert (first.started_ids, first.num_prefill_tokens, first.num_decode_seqs) == ([long.request_id], 16, 0)
+    assert first.outputs == [] and first.finished_ids == [] and first.captured_graph is False
+    second = engine.step()  # the rest of the long prompt (its first token) and the whole short one
+    assert second.started_ids == [short.request_id] and second.num_prefill_tokens == 4 + 3
+    assert second.finished_ids == [short.request_id]  # max_tokens=1
+    assert [o.request_id for o in second.outputs] == [long.request_id, short.request_id]
+    third = engine.step()
+    assert (third.started_ids, third.num_decode_seqs, third.num_prefill_tokens) == ([], 1, 0)
+    assert [c.request for c in third.scheduled.chunks] == [long] and third.finished_ids == []

@@ -282,3 +282,37 @@ def test_timestamps_are_stamped_from_the_injected_clock():
     t = r.timestamps
     assert (t.arrival, t.queued, t.scheduled, t.first_token, t.token_times, t.finished) == (
         99.0, 100.0, 100.0, 100.5, [100.5, 101.0], 101.0)
+
+
+def test_a_step_says_which_requests_it_started_and_when_only_on_their_first_schedule():
+    # Admission's queue wait ends at the first schedule, not at a resume after preemption.
+    sched, clock = make_scheduler(num_blocks=6, block_size=4, budget=64, prefix_caching=False)
+    clock.now = 3.0
+    for rid, priority, arrival in (("urgent", 0, 0.0), ("early", 1, 0.0), ("late", 1, 0.5)):
+        sched.add_request(make_request(rid, priority=priority, arrival=arrival, max_tokens=12))
+    first = step(sched, clock)
+    assert first.started_ids == ["urgent", "early", "late"] and first.scheduled_at == 3.0
+    started_later = []
+    while sched.has_unfinished():
+        out = step(sched, clock)
+        started_later += out.started_ids
+        assert out.scheduled_at == pytest.approx(clock.now - 0.01)
+    assert sched.stats().num_preemptions >= 1, "a preempted request resumes without starting again"
+    assert started_later == []
+
+
+def test_prefix_hit_tokens_asks_without_taking_and_reset_forgets_cached_blocks_and_totals():
+    sched, clock = make_scheduler(num_blocks=16, block_size=4, budget=64)
+    sched.add_request(make_request("a", num_prompt=13, max_tokens=2))
+    while sched.has_unfinished():
+        step(sched, clock)
+    stats = sched.stats()
+    again = make_request("b", num_prompt=13, max_tokens=2)
+    assert sched.prefix_hit_tokens(again) == 12
+    assert sched.stats() == stats and sched.kv_cache.pool.num_cached_blocks > 0
+    sched.reset_prefix_cache()
+    assert sched.prefix_hit_tokens(make_request("c", num_prompt=13, max_tokens=2)) == 0
+    s = sched.stats()
+    assert (s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions) == (0, 0, 0)
+    assert sched.kv_cache.pool.num_cached_blocks == 0
+    sched.kv_cache.check_integrity()

@@ -19,6 +19,7 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.sim.clock import VirtualClock
 from kvserve.sim.cost_model import LinearCostModel, chunk_shape
+from kvserve.sim.replica import Recorded
 from kvserve.sim.simulator import SIM_EOS_TOKEN_ID, SIM_TOKEN_ID, SimConfig, Simulator, synth_prompt
 
 COST = LinearCostModel(intercept_s=0.004, per_prefill_token_s=4e-5, per_decode_seq_s=1.5e-3,
@@ -31,24 +32,6 @@ CONFIG = SimConfig(SchedulerConfig(max_num_batched_tokens=160, max_num_seqs=10, 
                                    degrade_wait_s=0.05, degrade_max_tokens=12),
                    record_trace=True, fast_forward=False)
 QUERIES = ("expired", "step_limits")  # pure questions; a simulated replica also asks them as it goes idle
-
-
-class _Recorder:
-    """Logs every call to the controller as the simulator's trace does."""
-
-    def __init__(self, target, clock, log) -> None:
-        self._target, self._clock, self._log = target, clock, log
-
-    def __getattr__(self, name):
-        attr = getattr(self._target, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args):
-            result = attr(*args)
-            self._log.append(("admission", self._clock(), name, args, result))
-            return result
-        return call
 
 
 def _output(request: Request) -> RequestOutput:
@@ -140,7 +123,7 @@ def _serve(specs, seed: int):
     core = _ReplicaCore(CONFIG, clock, during_step)
     controller = AdmissionController(CONFIG.admission, CONFIG.cache.num_blocks, CONFIG.cache.block_size,
                                      CONFIG.scheduler.max_num_seqs, clock)
-    engine = AsyncEngine(core, AdmissionLoop(_Recorder(controller, clock, log)))
+    engine = AsyncEngine(core, AdmissionLoop(Recorded(controller, clock, log)))
     engine._loop = SimpleNamespace(call_soon_threadsafe=lambda fn, *args: fn(*args))  # the event loop, inline
     while pending or core.has_unfinished():
         if not core.has_unfinished():

@@ -58,10 +58,11 @@ class ReplicaHost:
         raise NotImplementedError
 
 
-class _Recorded:
+class Recorded:
     """Forwards every method call to the admission controller and logs
     ("admission", time, method, args, result), so a test can replay the same
-    calls into a fresh controller and compare every answer."""
+    calls into a fresh controller, or compare them with another driver's
+    (the server's engine loop), answer by answer."""
 
     def __init__(self, target: AdmissionController, clock: VirtualClock, log: list[tuple]) -> None:
         self._target, self._clock, self._log = target, clock, log
@@ -101,7 +102,7 @@ class Replica:
             controller = AdmissionController(admission_config, cache_config.num_blocks, cache_config.block_size,
                                              scheduler_config.max_num_seqs, clock)
             self.admission = AdmissionLoop(controller if self.trace is None else
-                                           _Recorded(controller, clock, self.trace))
+                                           Recorded(controller, clock, self.trace))
         self.in_flight: SchedulerOutput | None = None
         self.in_flight_shape: StepShape | None = None  # chunk_shape of in_flight
         self.step_started_s = 0.0

@@ -143,19 +143,19 @@ class KVCacheManager:
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's full blocks whose KV is now computed (call after
         the step that computed them ran), so later requests can hit them."""
-        self._cache_blocks(request, request.num_computed_tokens, None)
-
-    def _cache_blocks(self, request: Request, num_computed_tokens: int, pending_token_id: int | None) -> None:
-        """Register the full blocks of the first `num_computed_tokens`; the
-        tokens past `request.num_tokens` are all `pending_token_id` (see
-        cache_blocks_ahead)."""
+        # Every running request, every step: most calls complete no block.
         if not self.enable_prefix_caching:
             return
+        num_full = request.num_computed_tokens // self.block_size
+        start = self._num_cached_blocks.get(request.request_id, num_full)
+        if num_full > start:
+            self._register_blocks(request, start, num_full, None)
+
+    def _register_blocks(self, request: Request, start: int, num_full: int, pending_token_id: int | None) -> None:
+        """Register the request's blocks start..num_full - 1 in the prefix
+        cache; tokens past `request.num_tokens` are all `pending_token_id`
+        (see cache_blocks_ahead)."""
         rid = request.request_id
-        num_full = num_computed_tokens // self.block_size
-        start = self._num_cached_blocks.get(rid, num_full)
-        if num_full <= start:
-            return
         hashes = request.block_hashes
         if len(hashes) < num_full:
             self._request_hashes(request, num_full, pending_token_id)
@@ -269,7 +269,12 @@ class KVCacheManager:
         computed, its tokens past `request.num_tokens` all
         `pending_token_id`: the hashes are those its tokens will have once
         brought up to date."""
-        self._cache_blocks(request, num_computed_tokens, pending_token_id)
+        if not self.enable_prefix_caching:
+            return
+        num_full = num_computed_tokens // self.block_size
+        start = self._num_cached_blocks.get(request.request_id, num_full)
+        if num_full > start:
+            self._register_blocks(request, start, num_full, pending_token_id)
 
     def cache_next_block(self, request: Request, num_computed_tokens: int, pending_token_id: int) -> None:
         """cache_blocks_ahead when that completes exactly the request's next
@@ -279,7 +284,7 @@ class KVCacheManager:
         index = self._num_cached_blocks.get(rid)
         size = self.block_size
         if index is None or num_computed_tokens // size != index + 1 or not self.enable_prefix_caching:
-            self._cache_blocks(request, num_computed_tokens, pending_token_id)
+            self.cache_blocks_ahead(request, num_computed_tokens, pending_token_id)
             return
         hashes = request.block_hashes
         if index and len(hashes) == index and index * size >= request.num_tokens:

@@ -249,7 +249,8 @@ class Replica:
         out, shape = self.in_flight, self.in_flight_shape
         assert out is not None and shape is not None
         sampled = {c.request.request_id: SIM_TOKEN_ID for c in out.chunks if c.samples}
-        self._log(("update", now))
+        if self.trace is not None:
+            self.trace.append(("update", now))
         progressed = self.scheduler.update(out, sampled)
         step_s = now - self.step_started_s
         self.num_steps += 1

@@ -176,10 +176,11 @@ class ServerMetrics:
         for weight_format, num_bytes in bytes_by_format.items():
             self.weight_bytes.labels(model_name=self.model_name, format=weight_format).set(num_bytes)
 
-    def record_admission(self, outcome: Outcome, reason: Reason | None) -> None:
-        """One front-door decision; the labels are the enums' wire strings."""
-        self.admission.labels(model_name=self.model_name, outcome=outcome.value,
-                              reason="none" if reason is None else reason.value).inc()
+    def record_admission(self, outcome: Outcome | str, reason: Reason | str | None) -> None:
+        """One front-door decision; the labels are the wire strings (what
+        str() of the enums gives)."""
+        self.admission.labels(model_name=self.model_name, outcome=str(outcome),
+                              reason="none" if reason is None else str(reason)).inc()
 
     def record_cancellation(self, reason: str) -> None:
         self.cancellations.labels(model_name=self.model_name, reason=reason).inc()

@@ -185,7 +185,7 @@ def test_a_compiling_grammar_delays_only_its_own_request(llm):
         other = engine.new_request([8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
         engine.add_request(waiting)
         engine.add_request(other)
-        steps = [engine.step() for _ in range(3)]
+        steps = [engine.step().outputs for _ in range(3)]
         assert [o.request_id for step in steps for o in step] == [other.request_id] * 3
         assert engine.has_unfinished() and waiting.output_token_ids == []
         dropped = engine.new_request([5], SamplingParams(max_tokens=10, structured_output=constraint))
@@ -195,7 +195,7 @@ def test_a_compiling_grammar_delays_only_its_own_request(llm):
         pending.set_result(real_submit(constraint).result())
         final = {}
         while engine.has_unfinished():
-            final.update({o.request_id: o for o in engine.step() if o.finished})
+            final.update({o.request_id: o for o in engine.step().outputs if o.finished})
         assert final[waiting.request_id].text in ("alpha", "beta")
         assert final[waiting.request_id].finish_reason == "stop"
         # Ended by the completed constraint, not by sampling EOS.
@@ -213,7 +213,7 @@ def test_a_compile_that_fails_late_aborts_its_request(llm):
         request = engine.new_request([5, 6], SamplingParams(structured_output=StructuredOutput("json_object")))
         engine.add_request(request)
         failed.set_exception(InvalidParameter("structured_output", "cannot be enforced"))
-        (out,) = engine.step()
+        (out,) = engine.step().outputs
         assert out.finished and out.finish_reason == "abort" and out.token_ids == []
         assert not engine.has_unfinished()
     finally:

@@ -238,6 +238,11 @@ class EngineCore:
 
     # -- what the serving loop asks of it ----------------------------------------
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The model's EOS token ids (what its requests stop on)."""
+        return self.requests.eos_token_ids
+
+    @property
     def num_kv_blocks(self) -> int:
         return self.runner.num_blocks
 

@@ -242,6 +242,10 @@ class EngineCore:
         """The model's EOS token ids (what its requests stop on)."""
         return self.requests.eos_token_ids
 
+    def weight_formats(self) -> dict[str, int]:
+        """Resident weight bytes by storage format (float32, q4_1, ...)."""
+        return self.runner.model.weight_formats()
+
     @property
     def num_kv_blocks(self) -> int:
         return self.runner.num_blocks

@@ -106,7 +106,7 @@ class Serving:
             admission_config, core.num_kv_blocks, core.config.block_size, core.config.max_num_seqs, clock,
             self.tenants.limits()))
         self.metrics = ServerMetrics(self.model_name, admission_config.ttft_slo_s, admission_config.tpot_slo_s)
-        self.metrics.record_weights(core.runner.model.weight_formats())
+        self.metrics.record_weights(core.weight_formats())
         self.engine = AsyncEngine(core, self.admission, on_step=self._on_step)
         # Request ids: a random per-process prefix and a counter. uuid4 per
         # request costs an urandom syscall, which hands the GIL to the engine

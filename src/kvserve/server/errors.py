@@ -2,6 +2,10 @@
 always be encoded (an error may quote what the client sent, and JSON
 lets a client send lone UTF-16 surrogates, which UTF-8 cannot carry).
 
+`APIError` is the one exception the serving pipeline raises for a request
+it will not serve; `rejection` and `ended_without_output` turn an admission
+refusal and a request that ended before its first token into one.
+
 The framework's own errors go through here too: FastAPI's validation
 errors (422 -> 400, naming the field as `messages[0].content`), unknown
 routes (404), wrong methods (405).
@@ -10,17 +14,68 @@ routes (404), wrong methods (405).
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from kvserve.admission.decision import AdmissionDecision, Reason
+from kvserve.contract import InvalidParameter
 from kvserve.server.protocol import error_body
-from kvserve.server.serving import APIError
+
+if TYPE_CHECKING:
+    from kvserve.engine.async_engine import Finished
 
 # pydantic error types that mean "the body is not an object at all".
 _NOT_AN_OBJECT = {"model_attributes_type", "model_type", "dict_type"}
+# Rejection reasons that mean "you are over your share" (429
+# rate_limited) rather than "the system is full" (429 overloaded).
+RATE_LIMITED_REASONS = {Reason.TENANT_QUOTA}
+# What a request that ended before its first token was told, by abort reason.
+_ENDED_MESSAGES = {Reason.QUEUE_TIMEOUT: "the request waited too long in the queue and did not start",
+                   Reason.DEADLINE: "the request could not start before its deadline",
+                   "shutdown": "the server is shutting down"}
+
+
+class APIError(Exception):
+    """An OpenAI-shaped error with an honest status (rendered by
+    `error_response`, whose responses always encode)."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.headers = headers or {}
+
+
+def bad_request(exc: InvalidParameter) -> APIError:
+    return APIError(400, str(exc), param=exc.param)
+
+
+def rejection(decision: AdmissionDecision) -> APIError:
+    """The error of a request admission refused: its status, reason as the
+    code, and Retry-After when the refusal says when to come back."""
+    headers = {}
+    if decision.retry_after_s is not None:
+        headers["Retry-After"] = str(decision.retry_after_s)
+    if decision.status == 400:
+        type_ = "invalid_request_error"
+    else:
+        type_ = "rate_limited" if decision.reason in RATE_LIMITED_REASONS else "overloaded"
+    return APIError(decision.status, decision.message, type_, decision.reason, None, headers)
+
+
+def ended_without_output(done: Finished) -> APIError:
+    """The error of an admitted request that ended before its first token
+    (headers are not sent yet, so it still gets an honest status)."""
+    if done.error is not None:
+        return APIError(400, done.error, code="engine_refused")
+    reason = done.abort_reason or "abort"
+    return APIError(503, _ENDED_MESSAGES.get(reason, f"the request was aborted ({reason})"),
+                    "unavailable", reason)
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,

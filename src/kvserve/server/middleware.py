@@ -24,7 +24,7 @@ import secrets
 from starlette.requests import ClientDisconnect
 
 from kvserve.server import errors
-from kvserve.server.serving import APIError
+from kvserve.server.errors import APIError
 
 log = logging.getLogger(__name__)
 

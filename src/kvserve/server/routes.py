@@ -10,9 +10,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.metrics import CONTENT_TYPE_LATEST
+from kvserve.server.errors import APIError
 from kvserve.server.middleware import TENANT_STATE
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from kvserve.server.serving import APIError, Serving
+from kvserve.server.serving import Serving
 from kvserve.server.tenants import Tenant
 
 router = APIRouter()

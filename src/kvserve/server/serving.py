@@ -1,7 +1,9 @@
-"""The bridge from HTTP to the engine: validate and tokenize (refusing early,
-before tokenizing, what admission would refuse at any size), build the
-request, hand it to the async engine (whose thread makes the admission
-decision), and turn its stream into a JSON body or SSE chunks.
+"""The bridge from HTTP to the engine, as one pass: prepare (validate,
+refuse early what admission would refuse at any size, tokenize;
+server/prepare.py) -> build the request through the engine's
+RequestFactory -> hand it to the async engine (whose thread makes the
+admission decision) -> render its stream as a JSON body or SSE events
+(server/streaming.py). Errors are `APIError`s (server/errors.py).
 
 Headers are sent only after the request is admitted and has produced its
 first token, so a refused, timed-out or failed request always gets an honest
@@ -11,76 +13,35 @@ status code, streaming or not. Every response carries the versions that ran.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
-import secrets
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvserve.admission.controller import AdmissionController
-from kvserve.admission.decision import AdmissionDecision, Outcome, Reason
+from kvserve.admission.decision import AdmissionDecision, Outcome
 from kvserve.admission.loop import AdmissionLoop
 from kvserve.admission.step_limits import StepLimits
 from kvserve.admission.step_time import MIN_FIT_STEPS
 from kvserve.config import AdmissionConfig, ServerConfig
-from kvserve.contract import InvalidParameter, ResolvedVersions
+from kvserve.contract import ResolvedVersions
 from kvserve.engine.async_engine import AsyncEngine, Finished, RequestStream, StepReport
 from kvserve.engine.core import EngineCore
 from kvserve.metrics import ServerMetrics
-from kvserve.server import protocol
+from kvserve.server import protocol, streaming
+from kvserve.server.errors import APIError, ended_without_output, rejection
+from kvserve.server.prepare import Kind, ModelLimits, PreparedRequest, RequestClass, RequestPreparer
 from kvserve.server.tenants import Tenant, TenantDirectory
 from kvserve.server.transport import reader_stalled
 
 log = logging.getLogger(__name__)
 
-# Rejection reasons that mean "the system is full" vs "you are over your share".
-RATE_LIMITED_REASONS = {Reason.TENANT_QUOTA}
 CLIENT_ABORTS = {"disconnect", "stalled"}
-# Tokens a completion prompt may gain beyond one per UTF-8 byte (BOS / EOS
-# and a prefix space the tokenizer adds): every BPE or byte-fallback token
-# covers at least one byte of the text.
-ADDED_TOKENS_SLACK = 8
 # Measured warm-up steps: admission fits the step time from MIN_FIT_STEPS
 # (decayed weight) on; a few more leave margin for the decay.
 WARM_UP_MIN_STEPS = MIN_FIT_STEPS + 4
-
-
-class APIError(Exception):
-    """An OpenAI-shaped error with an honest status (rendered by
-    server/errors.py, whose responses always encode)."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
-        self.headers = headers or {}
-
-
-def bad_request(exc: InvalidParameter) -> APIError:
-    return APIError(400, str(exc), param=exc.param)
-
-
-@dataclass
-class _Prepared:
-    """A validated request before admission."""
-
-    kind: str
-    request_id: str
-    prompt_token_ids: list[int]
-    params: object  # SamplingParams
-    max_tokens_defaulted: bool
-    arrival: float
-    priority: int
-    tenant: Tenant
-    is_retry: bool
-    deadline: float | None
-    stream: bool
-    include_usage: bool
 
 
 class Serving:
@@ -108,12 +69,9 @@ class Serving:
         self.metrics = ServerMetrics(self.model_name, admission_config.ttft_slo_s, admission_config.tpot_slo_s)
         self.metrics.record_weights(core.weight_formats())
         self.engine = AsyncEngine(core, self.admission, on_step=self._on_step)
-        # Request ids: a random per-process prefix and a counter. uuid4 per
-        # request costs an urandom syscall, which hands the GIL to the engine
-        # thread on every request (measurable under overload).
-        self._id_prefix = secrets.token_hex(6)
-        self._id_counter = itertools.count()
-        self._chat_bytes_per_message = self._chat_template_overhead_bytes()
+        self.preparer = RequestPreparer(
+            self.tokenizer, ModelLimits(self.model_name, self.vocab_size, self.max_model_len), admission_config,
+            self._fits_cache, self._refuse_early, clock)
         self.started = False
         self.draining = False
         self._drain_deadline = 0.0  # monotonic time the drain aborts what is left
@@ -198,17 +156,39 @@ class Serving:
                            "authentication_error", "invalid_api_key")
         return tenant
 
-    async def create(self, kind: str, body, tenant: Tenant, headers, http_request):
+    async def create(self, kind: Kind, body, tenant: Tenant, headers, http_request):
         """Serve one /v1/completions or /v1/chat/completions request."""
         self._refuse_if_unavailable()
-        prepared = self._prepare(kind, body, tenant, headers)
+        prepared = self.preparer.prepare(kind, body, tenant, headers)
         request = self.core.new_request(prepared.prompt_token_ids, prepared.params, request_id=prepared.request_id,
                                         arrival_time=prepared.arrival, priority=prepared.priority,
                                         tenant=tenant.name, deadline=prepared.deadline)
         stream = self.engine.add(request, prepared.is_retry)
+        watcher = asyncio.create_task(self._abort_on_disconnect(http_request, prepared.request_id))
+        try:
+            decision, first = await self._first_output(stream, prepared)
+        except BaseException:
+            watcher.cancel()
+            raise
+        response_headers = self._headers(prepared, decision)
         shape = protocol.ResponseShape(kind, prepared.request_id, self.model_name,
                                        self.versions.fingerprint, self.tokenizer.token_text)
-        watcher = asyncio.create_task(self._abort_on_disconnect(http_request, prepared.request_id))
+        if prepared.stream:
+            watcher.cancel()
+            events = streaming.sse(shape, stream, first, prepared, lambda: self._client_left(prepared, http_request))
+            return StreamingResponse(events, media_type="text/event-stream", headers=response_headers)
+        try:
+            body_json = await streaming.collect(shape, stream, first, prepared)
+        finally:
+            watcher.cancel()
+        return JSONResponse(body_json, headers=response_headers)
+
+    async def _first_output(self, stream: RequestStream,
+                            p: PreparedRequest) -> tuple[AdmissionDecision | None, object]:
+        """(the admission decision, the first output) of an admitted request
+        that produced output; raises the APIError of one that was refused or
+        ended before its first token. `decision` is None only when the engine
+        failed before deciding."""
         try:
             first = await stream.next()
             decision = first if isinstance(first, AdmissionDecision) else None
@@ -217,25 +197,13 @@ class Serving:
                 if decision.admitted:
                     first = await stream.next()
         except BaseException:
-            watcher.cancel()
-            self.engine.abort(prepared.request_id, "disconnect")
+            self.engine.abort(p.request_id, "disconnect")
             raise
         if decision is not None and not decision.admitted:
-            watcher.cancel()
-            raise _rejection(decision)
-        response_headers = self._headers(prepared, decision)
+            raise rejection(decision)
         if isinstance(first, Finished) and first.num_output_tokens == 0:
-            watcher.cancel()
-            raise self._ended_without_output(first)
-        if prepared.stream:
-            watcher.cancel()
-            events = self._sse(shape, stream, first, prepared, http_request)
-            return StreamingResponse(events, media_type="text/event-stream", headers=response_headers)
-        try:
-            body_json = await self._collect(shape, stream, first, prepared)
-        finally:
-            watcher.cancel()
-        return JSONResponse(body_json, headers=response_headers)
+            raise ended_without_output(first)
+        return decision, first
 
     def _refuse_if_unavailable(self) -> None:
         if self.draining:
@@ -246,159 +214,20 @@ class Serving:
         if self.engine.dead is not None:
             raise APIError(503, f"the engine failed: {self.engine.dead}", "unavailable", "engine_dead")
 
-    def _prepare(self, kind: str, body, tenant: Tenant, headers) -> _Prepared:
-        arrival = self.clock()
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", "invalid_request_error", "model_not_found", "model")
-        try:
-            protocol.refuse_unsupported(body)
-        except InvalidParameter as exc:
-            raise bad_request(exc) from None
-        deadline = self._deadline(headers, arrival)
-        priority, is_retry = protocol.priority_of(body, tenant.priority), _is_retry(headers)
-        self._refuse_before_tokenizing(kind, body, tenant, priority, is_retry, deadline)
-        try:
-            prompt = self._prompt_token_ids(kind, body)
-            max_tokens, defaulted = self._max_tokens(body, len(prompt))
-            params = protocol.sampling_params(body, max_tokens, self.vocab_size)
-        except InvalidParameter as exc:
-            raise bad_request(exc) from None
-        prefix = "cmpl" if kind == "completion" else "chatcmpl"
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        request_id = f"{prefix}-{self._id_prefix}{next(self._id_counter):010x}"
-        return _Prepared(kind, request_id, prompt, params, defaulted, arrival, priority, tenant, is_retry,
-                         deadline, bool(body.stream), include_usage)
-
-    def _refuse_before_tokenizing(self, kind: str, body, tenant: Tenant, priority: int, is_retry: bool,
-                                  deadline: float | None) -> None:
-        """429 without tokenizing or building sampling state when admission
-        would refuse any request of this class and tenant, whatever its size.
-
-        Under overload most requests are refused; tokenizing them (and the
-        chat template) is CPU taken from the engine on a shared machine.
-        Only done when a cheap upper bound on the prompt's tokens shows that
-        none of the size-dependent 400s (prompt too long, max_tokens past the
-        context, never fits the cache or the tenant's tokens per minute)
-        applies, so those keep their status. The other 400s of a request
-        refused here (bad sampling fields, non-text content parts, a chat
-        template that rejects the messages) surface when it is retried."""
-        bound = self._prompt_token_bound(kind, body)
-        if bound is None or not self._size_cannot_be_refused(bound, body, tenant):
-            return
-        decision = self.engine.early_refusal(priority, tenant.name, is_retry, deadline)
+    def _refuse_early(self, request_class: RequestClass) -> None:
+        """429 before tokenizing when admission would refuse any request of
+        this class and tenant now, whatever its size (see server/prepare.py)."""
+        decision = self.engine.early_refusal(request_class.priority, request_class.tenant, request_class.is_retry,
+                                             request_class.deadline)
         if decision is not None:
             self.metrics.record_admission(decision.outcome, decision.reason)
-            raise _rejection(decision)
+            raise rejection(decision)
 
-    def _prompt_token_bound(self, kind: str, body) -> int | None:
-        """At least as many tokens as the prompt has; None if unknown or the
-        prompt is malformed (the full path gives the 400)."""
-        if kind == "chat":
-            if self._chat_bytes_per_message is None:
-                return None
-            num_bytes = 0
-            for message in body.messages:
-                content = message.content
-                if isinstance(content, list):
-                    content = "".join(p.text or "" for p in content)
-                num_bytes += len((content or "").encode()) + len(message.role.encode())
-            return num_bytes + self._chat_bytes_per_message * len(body.messages)
-        prompt = body.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return len(prompt.encode()) + ADDED_TOKENS_SLACK if prompt else None
-        vocab = self.vocab_size
-        if prompt and all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            return len(prompt)
-        return None
-
-    def _size_cannot_be_refused(self, bound: int, body, tenant: Tenant) -> bool:
-        """True when a prompt of at most `bound` tokens with the body's
-        max_tokens can get none of the size-dependent 400s."""
-        requested = protocol.requested_max_tokens(body)
-        if requested is None:
-            if self.admission_config.require_max_tokens:
-                return False
-            requested = self.admission_config.default_max_tokens
-        if requested < 1 or bound + requested > self.max_model_len:
-            return False
+    def _fits_cache(self, num_prompt_tokens: int, max_tokens: int) -> bool:
         controller = self.admission.controller
-        if controller.blocks_needed(bound, requested) > controller.num_blocks:
-            return False
-        tokens_per_minute = tenant.limits.tokens_per_minute
-        return tokens_per_minute is None or bound + requested <= tokens_per_minute
+        return controller.blocks_needed(num_prompt_tokens, max_tokens) <= controller.num_blocks
 
-    def _chat_template_overhead_bytes(self) -> int | None:
-        """UTF-8 bytes the chat template adds around one message (system
-        prompt, role markers, generation prompt), for `_prompt_token_bound`;
-        None when it cannot be measured."""
-        try:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": ""}])
-        except (ValueError, AttributeError):
-            return None
-        return len(text.encode()) + ADDED_TOKENS_SLACK
-
-    def _prompt_token_ids(self, kind: str, body) -> list[int]:
-        if kind == "chat":
-            try:
-                text = self.tokenizer.apply_chat_template(protocol.chat_messages(body))
-            except ValueError as exc:
-                raise InvalidParameter("messages", str(exc)) from None
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = self._completion_prompt(body.prompt)
-        if not ids:
-            raise InvalidParameter("prompt" if kind == "completion" else "messages",
-                                   "must contain at least one token")
-        return ids
-
-    def _completion_prompt(self, prompt) -> list[int]:
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise InvalidParameter("prompt", "batched prompts are not supported; send one prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidParameter("prompt", "must not be empty")
-            return self.tokenizer.encode(prompt)
-        vocab = self.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            raise InvalidParameter("prompt", f"token ids must be integers in [0, {vocab})")
-        return list(prompt)
-
-    def _max_tokens(self, body, num_prompt_tokens: int) -> tuple[int, bool]:
-        room = self.max_model_len - num_prompt_tokens
-        if room < 1:
-            raise InvalidParameter("prompt", f"has {num_prompt_tokens} tokens; this model's context is "
-                                             f"{self.max_model_len} tokens including the output")
-        requested = protocol.requested_max_tokens(body)
-        if requested is None:
-            if self.admission_config.require_max_tokens:
-                raise InvalidParameter("max_tokens", "is required by this server (strict mode)")
-            return min(self.admission_config.default_max_tokens, room), True
-        if requested < 1:
-            raise InvalidParameter("max_tokens", f"must be >= 1, got {requested}")
-        if requested > room:
-            raise InvalidParameter("max_tokens", f"prompt ({num_prompt_tokens} tokens) + max_tokens "
-                                                 f"({requested}) exceeds the context of {self.max_model_len}")
-        return requested, False
-
-    def _deadline(self, headers, arrival: float) -> float | None:
-        raw = headers.get("x-kvserve-deadline-s")
-        if raw is None:
-            return None
-        try:
-            seconds = float(raw)
-        except ValueError:
-            seconds = -1.0
-        if not (0 < seconds < 1e6):
-            raise APIError(400, "x-kvserve-deadline-s must be a number of seconds in (0, 1e6)",
-                           param="x-kvserve-deadline-s")
-        return arrival + seconds
-
-    def _headers(self, p: _Prepared, decision: AdmissionDecision | None) -> dict[str, str]:
+    def _headers(self, p: PreparedRequest, decision: AdmissionDecision | None) -> dict[str, str]:
         """The response headers of an admitted request; `decision` None only
         when the engine failed before deciding (the response is an error)."""
         headers = self.version_headers()
@@ -415,16 +244,6 @@ class Serving:
         return {"x-kvserve-model-revision": v.model_revision, "x-kvserve-tokenizer-hash": v.tokenizer_hash,
                 "x-kvserve-chat-template-hash": v.chat_template_hash}
 
-    def _ended_without_output(self, done: Finished) -> APIError:
-        if done.error is not None:
-            return APIError(400, done.error, code="engine_refused")
-        reason = done.abort_reason or "abort"
-        messages = {Reason.QUEUE_TIMEOUT: "the request waited too long in the queue and did not start",
-                    Reason.DEADLINE: "the request could not start before its deadline",
-                    "shutdown": "the server is shutting down"}
-        return APIError(503, messages.get(reason, f"the request was aborted ({reason})"),
-                        "unavailable", reason)
-
     async def _abort_on_disconnect(self, http_request, request_id: str) -> None:
         """Wait for the client to go away, then abort its request."""
         if http_request is None:
@@ -435,92 +254,11 @@ class Serving:
                 self.engine.abort(request_id, "disconnect")
                 return
 
-    # ---- response bodies ---------------------------------------------------
-
-    async def _collect(self, shape, stream: RequestStream, first, p: _Prepared) -> dict:
-        last, logprobs = None, [] if p.params.logprobs is not None else None
-        item = first
-        while not isinstance(item, Finished):
-            last = item
-            if logprobs is not None:
-                logprobs.extend(_new_logprobs(item))
-            item = await stream.next()
-        text = last.text if last is not None else ""
-        num_out = len(last.token_ids) if last is not None else 0
-        reason = item.finish_reason
-        return shape.full(text, reason, logprobs,
-                          protocol.usage(len(p.prompt_token_ids), num_out, _cached(last)))
-
-    async def _sse(self, shape, stream: RequestStream, first, p: _Prepared, http_request) -> AsyncIterator[str]:
-        """One `data:` event per batch of outputs ready together: when the
-        reader falls behind the engine (overload, a slow client), the tokens
-        that piled up go out as one multi-token delta instead of one event
-        each, which saves the JSON encoding and the socket write per token
-        that compete with the engine for the CPU. Logprobs keep one entry
-        per token; text_offset counts from the start of the completion."""
-        pending, last, is_first, text_offset = [first], None, True, 0
-        wants_logprobs = p.params.logprobs is not None
-        try:
-            while True:
-                batch = pending + stream.ready()
-                outputs = [x for x in batch if not isinstance(x, Finished)]
-                end = batch[-1] if isinstance(batch[-1], Finished) else None  # Finished comes last
-                if outputs:
-                    newest = outputs[-1]
-                    text = "".join(o.new_text for o in outputs)
-                    lp = [x for o in outputs for x in _new_logprobs(o)] if wants_logprobs else None
-                    finish = newest.finish_reason if newest.finished else None
-                    if text or finish or is_first or lp:
-                        yield shape.chunk(text, finish, lp, first=is_first,
-                                          with_usage_field=p.include_usage, text_offset=text_offset)
-                        is_first = False
-                        text_offset += shape.text_length(lp)
-                    last = newest
-                if end is not None:
-                    break
-                pending = [await stream.next()]
-            if last is None or not last.finished:  # aborted mid-stream: say so
-                yield shape.chunk(None, end.finish_reason, None, with_usage_field=p.include_usage)
-            if p.include_usage:
-                num_out = len(last.token_ids) if last is not None else 0
-                yield shape.usage_chunk(protocol.usage(len(p.prompt_token_ids), num_out, _cached(last)))
-            yield protocol.SSE_DONE
-        finally:
-            if stream.finished is None:  # the client left (generator closed) before the end
-                reason = "stalled" if reader_stalled(getattr(http_request, "scope", None)) else "disconnect"
-                self.engine.abort(p.request_id, reason)
-
-
-def _new_logprobs(output) -> list:
-    return list(getattr(output, "new_logprobs", None) or output.logprobs or [])
-
-
-def _cached(output) -> int:
-    return int(getattr(output, "num_cached_tokens", 0) or 0) if output is not None else 0
-
-
-def _is_retry(headers) -> bool:
-    for name in ("x-stainless-retry-count", "x-kvserve-retry"):
-        raw = (headers.get(name) or "").strip().lower()
-        if raw in ("true", "yes"):
-            return True
-        try:
-            if int(raw) > 0:
-                return True
-        except ValueError:
-            continue
-    return False
-
-
-def _rejection(decision) -> APIError:
-    headers = {}
-    if decision.retry_after_s is not None:
-        headers["Retry-After"] = str(decision.retry_after_s)
-    if decision.status == 400:
-        type_ = "invalid_request_error"
-    else:
-        type_ = "rate_limited" if decision.reason in RATE_LIMITED_REASONS else "overloaded"
-    return APIError(decision.status, decision.message, type_, decision.reason, None, headers)
+    def _client_left(self, p: PreparedRequest, http_request) -> None:
+        """A stream's reader went away before its end: abort, saying whether
+        it stalled (the transport's stall clock) or disconnected."""
+        reason = "stalled" if reader_stalled(getattr(http_request, "scope", None)) else "disconnect"
+        self.engine.abort(p.request_id, reason)
 
 
 async def _load_streaming_backend() -> None:

@@ -124,6 +124,48 @@ def test_the_rules_catch_what_they_forbid(tmp_path):
     assert "kvserve.sim.model" in import_graph.reachable(fake, "kvserve.plan.cli")
 
 
+# Underscore names that are public API (namedtuple's), not private members.
+PUBLIC_UNDERSCORE = frozenset({"_asdict", "_replace", "_fields", "_make", "_field_defaults"})
+
+
+def _private_reaches(source: str) -> list[str]:
+    """`obj._name` where obj is not self / cls and no class or function of
+    this module defines `_name`: a reach into another module's privates
+    (within one module, a class's helpers may use each other's)."""
+    import ast
+
+    tree = ast.parse(source)
+    own: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            own.add(node.attr)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            own.add(node.target.id)  # a dataclass field
+    reaches = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue
+        if node.attr not in own and node.attr not in PUBLIC_UNDERSCORE:
+            reaches.append(f"{node.lineno}: {ast.unparse(node)}")
+    return reaches
+
+
+def test_no_module_reaches_into_another_modules_privates():
+    found = {p.relative_to(PACKAGE).as_posix(): r for p in sorted(PACKAGE.rglob("*.py"))
+             if (r := _private_reaches(p.read_text(encoding="utf-8")))}
+    assert not found, f"private members used across modules (module: line: expression): {found}"
+
+
+def test_the_private_reach_check_sees_a_reach():
+    source = ("class A:\n    def __init__(self):\n        self._mine = 1\n\n"
+              "def f(a, b):\n    return a._mine, b._theirs, b.core._state, p._asdict()\n")
+    assert _private_reaches(source) == ["6: b._theirs", "6: b.core._state"]
+
+
 def _environment_reads(path: Path) -> set[str]:
     """Names of the environment variables a module reads: os.environ.get(K),
     os.environ[K], os.getenv(K), with K a string or a module-level constant."""

@@ -69,7 +69,8 @@ COMPILED_MODULES = (
     "kvserve.sim.fast_forward",
     "kvserve.plan.roofline",  # the roofline step time (sim.cost_model's, shared with `kvserve plan`)
     "kvserve.sim.cost_model",
-    "kvserve.sim.router",
+    "kvserve.fleet.backend_state",
+    "kvserve.fleet.router",
     "kvserve.sim.clock",
     "kvserve.sim.replica",
     "kvserve.sim.simulator",

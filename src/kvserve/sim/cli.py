@@ -30,7 +30,7 @@ from kvserve.plan.hardware import HardwareProfile
 from kvserve.plan.presets import ModelSpec, resolve_model
 from kvserve.plan.roofline import RooflineCostModel
 from kvserve.sim.cost_model import CostModel, LinearCostModel, resolve_hardware, with_step_jitter
-from kvserve.sim.router import ROUTERS
+from kvserve.fleet.router import ROUTERS
 from kvserve.sim.simulator import AutoscaleConfig, SimConfig, Simulator
 
 # Above this many requests a run keeps (first, last) token times per request
@@ -84,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "realizations of the same workload, for the spread of a simulated tail")
     sim.add_argument("--replicas", type=int, default=1, help="replicas behind the router at start")
     sim.add_argument("--router", choices=ROUTERS, default="least-queue",
-                     help="how requests are spread across replicas")
+                     help="how requests are spread across replicas: the gateway's policies "
+                          "(kvserve.fleet.router; least-queue is least-loaded)")
     sim.add_argument("--no-admission", action="store_true",
                      help="send every request straight to the scheduler (the no-front-door baseline)")
     sim.add_argument("--autoscale-max-replicas", type=int, default=None,

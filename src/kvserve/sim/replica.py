@@ -37,6 +37,7 @@ from kvserve.admission.decision import AdmissionDecision, Reason, reject
 from kvserve.admission.loop import AdmissionLoop
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
 from kvserve.contract import Request
+from kvserve.fleet.backend_state import DrainMeter
 from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput
 from kvserve.sim.clock import VirtualClock
 from kvserve.sim.cost_model import CostModel, StepShape, chunk_shape, decode_step_ends_s
@@ -87,6 +88,7 @@ class Replica:
                  clock: VirtualClock, ready_s: float, sim_clock: VirtualClock, *,
                  fast_forward: bool = True, record_trace: bool = False) -> None:
         self.index = index
+        self.name = f"replica-{index}"  # its identity on the router's hash ring
         self.ready_s = ready_s
         # Its own clock: a decode run's steps are applied when the simulation
         # next looks at this replica, each at its own (earlier) time.
@@ -98,9 +100,13 @@ class Replica:
         self.scheduler = Scheduler(scheduler_config, cache_config, clock)
         self.trace: list[tuple] | None = [] if record_trace else None
         self.admission: AdmissionLoop | None = None
+        # The controller itself, for what the router reads of it (not a call
+        # of the replica's own to record in its trace).
+        self._controller: AdmissionController | None = None
         if admission_config is not None:
             controller = AdmissionController(admission_config, cache_config.num_blocks, cache_config.block_size,
                                              scheduler_config.max_num_seqs, clock)
+            self._controller = controller
             self.admission = AdmissionLoop(controller if self.trace is None else
                                            Recorded(controller, clock, self.trace))
         self.in_flight: SchedulerOutput | None = None
@@ -110,6 +116,10 @@ class Replica:
         self.run_lengths = RunLengths()
         # Bumped per step event pushed, so the event of a run ended early is ignored.
         self.step_event_id = 0
+        # What a gateway measures of it: requests finished per busy second
+        # (the simulation observes it at arrivals and ends).
+        self.drain = DrainMeter()
+        self.num_finished = 0
         self.num_steps = 0
         self.busy_s = 0.0
         # How much of the work the fast path took (results never depend on it).
@@ -136,6 +146,39 @@ class Replica:
         if last < active.next_update:
             return load
         return load - active.run.num_finishing(active.next_update, last)
+
+    # -- what the router reads (fleet.backend_state.BackendLoad) --------------
+    @property
+    def num_running(self) -> int:
+        return self.load - len(self.scheduler.waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.scheduler.kv_cache.usage()
+
+    @property
+    def num_kv_blocks(self) -> int | None:
+        return self.scheduler.kv_cache.num_blocks
+
+    @property
+    def block_size(self) -> int | None:
+        return self.scheduler.kv_cache.block_size
+
+    @property
+    def running_cap(self) -> int | None:
+        # What the server exports as kvserve_running_cap: admission's cap from
+        # the steps measured so far (a decode run skips setting it per step).
+        if self._controller is None:
+            return self.scheduler.config.max_num_seqs
+        return self._controller.running_cap()
+
+    @property
+    def drain_rps(self) -> float | None:
+        return self.drain.rate_rps(self.sim_clock.now_s)
 
     def _last_step_before(self, now_s: float) -> int:
         """The last step of the run that ended before `now_s`, never the run's

@@ -36,11 +36,12 @@ from kvserve.bench.report import RequestRecord
 from kvserve.bench.workload import RequestSpec
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
 from kvserve.contract import Request, RequestFactory, SamplingParams
+from kvserve.fleet.backend_state import snapshot
+from kvserve.fleet.router import Router, RouterConfig, RouteRequest, affinity_key
 from kvserve.gc_pause import cyclic_gc_paused
 from kvserve.sim.clock import VirtualClock
 from kvserve.sim.cost_model import CostModel
 from kvserve.sim.replica import SIM_EOS_TOKEN_ID, SIM_TOKEN_ID, Replica, ReplicaHost
-from kvserve.sim.router import Router
 
 __all__ = ["SIM_EOS_TOKEN_ID", "SIM_TOKEN_ID", "AutoscaleConfig", "SimConfig", "SimResult", "Simulator",
            "VirtualClock", "synth_prompt"]
@@ -84,7 +85,10 @@ class SimConfig:
     exact and memory flat for hour-long runs, but flattens ITL.
     record_trace: log every scheduler / admission call per replica, to
     replay them against a fresh scheduler (tests). A decode run logs the
-    schedule / update pairs of the single steps it stands for.
+    schedule / update pairs of the single steps it stands for. It also logs
+    each routing decision with the backend states it was made from.
+    router: a `fleet.router` policy name; router_config (when given) the
+    whole routing configuration, as the gateway takes it.
     fast_forward: run steady decode batches as multi-step `DecodeRun`s
     (same results; False for checking that).
     frontend_latency_s: what a client sees beyond the engine (HTTP,
@@ -99,6 +103,7 @@ class SimConfig:
     admission: AdmissionConfig | None = field(default_factory=AdmissionConfig)
     num_replicas: int = 1
     router: str = "least-queue"
+    router_config: RouterConfig | None = None
     autoscale: AutoscaleConfig | None = None
     exact_token_events: bool = True
     record_trace: bool = False
@@ -111,7 +116,10 @@ class SimConfig:
             raise ValueError(f"frontend_latency_s must be >= 0, got {self.frontend_latency_s}")
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
-        Router(self.router)  # validates the name
+        self.routing()  # validates the name
+
+    def routing(self) -> RouterConfig:
+        return self.router_config or RouterConfig(policy=self.router)
 
 
 @dataclass
@@ -131,6 +139,8 @@ class SimResult:
     traces: list[list[tuple]] | None = None
     num_decode_runs: int = 0  # the fast path's share: see Replica
     num_joined_steps: int = 0
+    # With record_trace: (RouteRequest, [BackendState of each ready replica], RouteDecision).
+    route_trace: list[tuple] | None = None
 
 
 def synth_prompt(spec: RequestSpec) -> list[int]:
@@ -154,7 +164,8 @@ class Simulator(ReplicaHost):
         self.config = config
         self.cost_model = cost_model
         self.clock = VirtualClock()
-        self.router = Router(config.router)
+        self.router = Router(config.routing())
+        self._route_trace: list[tuple] | None = [] if config.record_trace else None
         self.replicas = [self._new_replica(i, VirtualClock(), 0.0) for i in range(config.num_replicas)]
         self.timeline: list[tuple[float, int]] = [(0.0, config.num_replicas)]
         # (time, sequence, kind, payload): the payload's type depends on the kind.
@@ -202,7 +213,7 @@ class Simulator(ReplicaHost):
                          [r.trace for r in self.replicas if r.trace is not None]
                          if self.config.record_trace else None,
                          sum(r.num_decode_runs for r in self.replicas),
-                         sum(r.num_joined_steps for r in self.replicas))
+                         sum(r.num_joined_steps for r in self.replicas), self._route_trace)
 
     def _loop(self, specs: list[RequestSpec], offsets_s: list[float]) -> None:
         next_arrival = 0
@@ -242,11 +253,12 @@ class Simulator(ReplicaHost):
         # The router reads every ready replica's load as of now; only the
         # chosen one's decode run needs its steps applied.
         ready = self.replicas if now >= self._all_ready_s else [r for r in self.replicas if r.ready_s <= now]
-        group = spec.prefix_group.group_id if spec.prefix_group else None
-        replica = ready[self.router.pick(ready, group)]
+        prompt = synth_prompt(spec)
+        replica = self._route(ready, spec, prompt)
         replica.catch_up()
         replica.clock.advance_to(now)
-        request = self._requests.build(synth_prompt(spec), self._params(spec.output_tokens),
+        replica.drain.observe(now, replica.num_finished, True)
+        request = self._requests.build(prompt, self._params(spec.output_tokens),
                                        request_id=f"r{spec.index}", arrival_time=now, priority=spec.priority,
                                        tenant=spec.tenant)
         refusal = replica.add(request)
@@ -257,6 +269,25 @@ class Simulator(ReplicaHost):
         if spec.cancel_after_s is not None:
             self._push(now + spec.cancel_after_s, _CANCEL, request.request_id)
         replica.start_if_idle()
+
+    def _route(self, ready: list[Replica], spec: RequestSpec, prompt: list[int]) -> Replica:
+        """The gateway's routing policy over the ready replicas. Policies that
+        read KV usage and waits see every replica as of now (decode runs
+        applied); the others read only the load, which a run answers as of
+        now without applying its steps."""
+        router = self.router
+        key = None
+        if router.policy == "prefix-affinity":
+            num_tokens = min(len(prompt), router.config.affinity_prefix_tokens)
+            key = affinity_key(spec.tenant, b"".join(t.to_bytes(4, "little") for t in prompt[:num_tokens]))
+        if router.reads_kv:
+            for r in ready:
+                r.catch_up()
+        request = RouteRequest(spec.prompt_tokens, spec.output_tokens, key)
+        decision = router.pick(ready, request)
+        if self._route_trace is not None:
+            self._route_trace.append((request, [snapshot(r) for r in ready], decision))
+        return ready[decision.position]
 
     def _params(self, max_tokens: int) -> SamplingParams:
         params = self._sampling_params.get(max_tokens)
@@ -290,6 +321,10 @@ class Simulator(ReplicaHost):
         if live is None:
             return
         replica, request, spec = live.replica, live.request, live.spec
+        replica.num_finished += 1
+        scheduler = replica.scheduler
+        replica.drain.observe(replica.clock.now_s, replica.num_finished,
+                              bool(len(scheduler.running) or len(scheduler.waiting)))
         if replica.admission is not None:
             replica.admission.on_finished(request_id, request.num_tokens)
         stamps = request.timestamps

@@ -1,0 +1,197 @@
+"""Which backend gets a request: round-robin, least-loaded, kv-aware,
+prefix-affinity. The gateway and `kvserve simulate` both route with this
+`Router` (one copy of the policy), over `BackendLoad` views of the
+backends that are eligible now.
+
+- round-robin: each in turn.
+- least-loaded: fewest running + waiting.
+- kv-aware: where the request's projected KV blocks (prompt + max_tokens)
+  fit now with the most headroom, after the shortest expected wait.
+- prefix-affinity: a consistent-hash ring keyed by the tenant plus a hash
+  of the prompt's leading blocks, so a shared prefix keeps landing where it
+  is cached; bounded by load: when the affine backend's expected wait
+  exceeds the least-loaded one's by more than the slack, the walk goes on
+  round the ring to the first backend within it. The tenant is part of the
+  key, so tenants with the same prefix never share a key.
+
+Ties go to the earlier backend in the list, so a decision depends only on
+the states and the request (and, for round-robin, the turn).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, NamedTuple
+
+from kvserve.fleet.backend_state import BackendLoad, blocks_needed, expected_wait_s, free_blocks
+
+POLICIES: Final = ("round-robin", "least-loaded", "kv-aware", "prefix-affinity")
+# Older names that keep working (the simulator's `--router least-queue`).
+ALIASES: Final = {"least-queue": "least-loaded"}
+ROUTERS: Final = POLICIES + tuple(ALIASES)
+
+# Why a backend was chosen (the gateway's routed-requests counter labels).
+TURN: Final = "turn"
+LEAST_LOADED: Final = "least_loaded"
+KV_FIT: Final = "kv_fit"
+KV_SHORT: Final = "kv_short"  # fits nowhere now: the soonest to have room
+AFFINE: Final = "affine"
+AFFINE_OVERFLOW: Final = "affine_overflow"  # affine one too busy: next on the ring within the slack
+NO_KEY: Final = "no_key"  # prefix-affinity without a key: least-loaded
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """policy: one of ROUTERS. affinity_slack_s: prefix-affinity keeps a key
+    on its backend while that backend's expected wait exceeds the
+    least-loaded one's by at most this (seconds). affinity_prefix_tokens:
+    how much of the prompt's start the key covers (tokens; the gateway,
+    which sees text, takes 4 bytes per token). ring_points: points per
+    backend on the hash ring (more: a more even share per backend)."""
+
+    policy: str = "least-loaded"
+    affinity_slack_s: float = 0.5
+    affinity_prefix_tokens: int = 64
+    ring_points: int = 64
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTERS:
+            raise ValueError(f"unknown router {self.policy!r}; use one of {', '.join(ROUTERS)}")
+        if not self.affinity_slack_s >= 0:
+            raise ValueError(f"affinity_slack_s must be >= 0, got {self.affinity_slack_s}")
+        if self.affinity_prefix_tokens < 1 or self.ring_points < 1:
+            raise ValueError("affinity_prefix_tokens and ring_points must be >= 1")
+
+    @property
+    def canonical_policy(self) -> str:
+        return ALIASES.get(self.policy, self.policy)
+
+
+class RouteRequest(NamedTuple):
+    """What routing needs of a request: its projected size and its key."""
+
+    num_prompt_tokens: int = 0  # the gateway's estimate where it cannot tokenize
+    max_tokens: int = 0
+    affinity_key: int | None = None  # affinity_key(tenant, leading prompt bytes)
+
+
+class RouteDecision(NamedTuple):
+    position: int  # into the backends given to pick
+    reason: str
+
+
+def affinity_key(tenant: str, leading: bytes) -> int:
+    """The ring key of a prompt's leading blocks for one tenant: a tenant's
+    name is hashed in, so two tenants with the same prefix get different
+    keys (a shared cache entry would leak one's prompt to the other)."""
+    name = tenant.encode()
+    digest = hashlib.blake2b(len(name).to_bytes(4, "big") + name + leading, digest_size=8, person=b"kvs-route")
+    return int.from_bytes(digest.digest(), "big")
+
+
+class HashRing:
+    """Consistent hashing over backend names: `ring_points` points per
+    name; a key belongs to the first point at or after it. Removing a
+    backend moves only the keys it held."""
+
+    def __init__(self, names: Sequence[str], ring_points: int) -> None:
+        points = []
+        for name in names:
+            for i in range(ring_points):
+                digest = hashlib.blake2b(f"{name}#{i}".encode(), digest_size=8, person=b"kvs-ring")
+                points.append((int.from_bytes(digest.digest(), "big"), name))
+        points.sort()
+        self._hashes = [p[0] for p in points]
+        self._names = [p[1] for p in points]
+
+    def walk(self, key: int) -> list[str]:
+        """Every name once, in ring order from the key's owner."""
+        start = bisect.bisect_left(self._hashes, key)
+        seen: list[str] = []
+        n = len(self._names)
+        for i in range(n):
+            name = self._names[(start + i) % n]
+            if name not in seen:
+                seen.append(name)
+        return seen
+
+
+class Router:
+    """Picks one of the eligible backends for a request. Holds only the
+    round-robin turn and a cached hash ring; everything else comes in."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.policy = config.canonical_policy
+        self._turn = 0
+        self._ring: HashRing | None = None
+        self._ring_names: tuple[str, ...] = ()
+
+    @property
+    def reads_kv(self) -> bool:
+        """Whether decisions read KV usage and expected waits (the simulator
+        brings its replicas up to now first), not just the load."""
+        return self.policy in ("kv-aware", "prefix-affinity")
+
+    def pick(self, backends: Sequence[BackendLoad], request: RouteRequest) -> RouteDecision:
+        if not backends:
+            raise ValueError("no eligible backend to route to")
+        if self.policy == "round-robin":
+            index = self._turn % len(backends)
+            self._turn += 1
+            return RouteDecision(index, TURN)
+        if self.policy == "kv-aware":
+            return _kv_aware(backends, request)
+        if self.policy == "prefix-affinity":
+            return self._prefix_affinity(backends, request)
+        return RouteDecision(least_loaded(backends), LEAST_LOADED)
+
+    def _prefix_affinity(self, backends: Sequence[BackendLoad], request: RouteRequest) -> RouteDecision:
+        if request.affinity_key is None:
+            return RouteDecision(least_loaded(backends), NO_KEY)
+        num_tokens = request.num_prompt_tokens + request.max_tokens
+        waits = [expected_wait_s(b, num_tokens) for b in backends]
+        bound_s = min(waits) + self.config.affinity_slack_s
+        index_of = {b.name: i for i, b in enumerate(backends)}
+        for step, name in enumerate(self._ring_of(backends).walk(request.affinity_key)):
+            i = index_of[name]
+            if waits[i] <= bound_s:
+                return RouteDecision(i, AFFINE if step == 0 else AFFINE_OVERFLOW)
+        return RouteDecision(waits.index(min(waits)), AFFINE_OVERFLOW)  # only with infinite waits
+
+    def _ring_of(self, backends: Sequence[BackendLoad]) -> HashRing:
+        names = tuple(b.name for b in backends)
+        if self._ring is None or names != self._ring_names:
+            self._ring, self._ring_names = HashRing(names, self.config.ring_points), names
+        return self._ring
+
+
+def least_loaded(backends: Sequence[BackendLoad]) -> int:
+    """Fewest running + waiting; the earliest on a tie."""
+    best, best_load = 0, -1
+    for i, backend in enumerate(backends):
+        load = backend.num_running + backend.num_waiting
+        if best_load < 0 or load < best_load:
+            best, best_load = i, load
+    return best
+
+
+def _kv_aware(backends: Sequence[BackendLoad], request: RouteRequest) -> RouteDecision:
+    """Among backends where the projected blocks fit now: the shortest
+    expected wait, then the most blocks left over. Where they fit nowhere:
+    the shortest expected wait (the KV it lacks drained), then the most free."""
+    num_tokens = request.num_prompt_tokens + request.max_tokens
+    best, best_key, best_fits = 0, (0.0, 0.0), False
+    for i, backend in enumerate(backends):
+        need, free = blocks_needed(backend, num_tokens), free_blocks(backend)
+        if free is None:  # size unknown: the free share stands in for the headroom
+            fits, headroom = True, 1.0 - backend.kv_usage
+        else:
+            fits, headroom = need is None or need <= free, float(free - (need or 0))
+        key = (expected_wait_s(backend, num_tokens), -headroom)
+        if i == 0 or (fits and not best_fits) or (fits == best_fits and key < best_key):
+            best, best_key, best_fits = i, key, fits
+    return RouteDecision(best, KV_FIT if best_fits else KV_SHORT)

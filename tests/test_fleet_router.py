@@ -1,0 +1,123 @@
+"""The fleet's routing policy (kvserve.fleet.router) on hand-made backend
+states, and the simulator driving it exactly (fast forward on and off)."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+
+from kvserve.config import AdmissionConfig
+from kvserve.fleet.backend_state import BackendState, DrainMeter, expected_wait_s
+from kvserve.fleet.router import (AFFINE, AFFINE_OVERFLOW, KV_FIT, KV_SHORT, HashRing, RouteRequest, Router,
+                                  RouterConfig, affinity_key)
+from tests.test_sim_fast_forward import SHARING, _compare, _config, _workload
+
+
+def router(policy: str, **fields) -> Router:
+    return Router(RouterConfig(policy=policy, **fields))
+
+
+def idle(name: str, **fields) -> BackendState:
+    return BackendState(name, **{"num_kv_blocks": 100, "block_size": 16, "running_cap": 8,
+                                 "drain_rps": 2.0, **fields})
+
+
+def test_round_robin_takes_turns_and_least_loaded_counts_running_plus_waiting():
+    states = [idle("a"), idle("b"), idle("c")]
+    rr = router("round-robin")
+    assert [rr.pick(states, RouteRequest()).position for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    loaded = [idle("a", num_running=3), idle("b", num_running=1, num_waiting=1), idle("c", num_running=2, num_waiting=1)]
+    assert router("least-loaded").pick(loaded, RouteRequest()).position == 1
+    assert router("least-queue").pick(loaded, RouteRequest()).position == 1  # the simulator's old name
+
+
+def test_kv_aware_prefers_where_the_projected_blocks_fit_with_most_headroom():
+    # 40 free blocks vs 60 free; request of 800 tokens = 50 blocks fits only on b.
+    a, b = idle("a", kv_usage=0.6), idle("b", kv_usage=0.4)
+    kv = router("kv-aware")
+    assert kv.pick([a, b], RouteRequest(700, 100)) == (1, KV_FIT)
+    # Both fit a small request: the most headroom left wins.
+    assert kv.pick([b, a], RouteRequest(10, 6)).position == 0
+    # A shorter expected wait comes first: b is queueing behind its cap.
+    b_queued = idle("b", kv_usage=0.1, num_running=8, num_waiting=4)
+    assert kv.pick([a, b_queued], RouteRequest(10, 6)).position == 0
+    # Fits nowhere: the one whose missing blocks drain soonest.
+    full_a, full_b = idle("a", kv_usage=0.99, num_running=2), idle("b", kv_usage=0.95, num_running=2)
+    assert kv.pick([full_a, full_b], RouteRequest(700, 100)) == (1, KV_SHORT)
+
+
+def test_prefix_affinity_keeps_a_key_on_one_backend_and_tenants_apart():
+    states = [idle(f"b{i}") for i in range(4)]
+    pa = router("prefix-affinity")
+    key = affinity_key("alice", b"You are a helpful assistant." * 8)
+    picks = {pa.pick(states, RouteRequest(100, 10, key)).position for _ in range(20)}
+    assert len(picks) == 1
+    # Same prefix, another tenant: another key (and, over many prefixes, other backends).
+    assert affinity_key("bob", b"You are a helpful assistant." * 8) != key
+    assert affinity_key("al", b"ice" + b"x") != affinity_key("alice", b"x")  # no ambiguity at the seam
+    spread = collections.Counter(pa.pick(states, RouteRequest(100, 10, affinity_key("t", f"p{i}".encode()))).position
+                                 for i in range(400))
+    assert len(spread) == 4 and min(spread.values()) > 40, spread
+
+
+def test_prefix_affinity_is_bounded_by_load():
+    pa = router("prefix-affinity", affinity_slack_s=1.0)
+    key = affinity_key("alice", b"shared system prompt")
+    states = [idle(f"b{i}") for i in range(3)]
+    home = pa.pick(states, RouteRequest(100, 10, key)).position
+    # The affine backend queues 4 requests beyond its cap at 2 per second:
+    # 2.5 s of expected wait against 0 elsewhere, over the 1 s slack.
+    busy = list(states)
+    busy[home] = idle(states[home].name, num_running=8, num_waiting=4)
+    assert expected_wait_s(busy[home]) == pytest.approx(2.5)
+    moved = pa.pick(busy, RouteRequest(100, 10, key))
+    assert moved.index != home and moved.reason == AFFINE_OVERFLOW
+    # Within the slack (one request ahead: 0.5 s) it stays.
+    busy[home] = idle(states[home].name, num_running=8, num_waiting=0)
+    assert pa.pick(busy, RouteRequest(100, 10, key)) == (home, AFFINE)
+
+
+def test_hash_ring_moves_only_the_keys_of_a_removed_backend():
+    names = [f"b{i}" for i in range(5)]
+    full, less = HashRing(names, 64), HashRing(names[:-1], 64)
+    keys = [affinity_key("t", f"{i}".encode()) for i in range(500)]
+    moved = [k for k in keys if full.walk(k)[0] != less.walk(k)[0]]
+    assert moved and all(full.walk(k)[0] == "b4" for k in moved)
+    assert all(sorted(full.walk(k)) == sorted(names) for k in keys[:20])
+
+
+def test_expected_wait_counts_batch_slots_and_missing_kv():
+    assert expected_wait_s(idle("a", num_running=3)) == 0.0
+    assert expected_wait_s(idle("a", num_running=8, num_waiting=1)) == pytest.approx(1.0)  # 2 ahead at 2/s
+    # Unknown cap (vLLM): any queue means full; unknown drain: one batch of queue allowed.
+    vllm = BackendState("v", num_running=4, num_waiting=2)
+    assert expected_wait_s(vllm) == 0.0
+    assert math.isinf(expected_wait_s(BackendState("v", num_running=4, num_waiting=6)))
+    # KV: 10 free blocks, the request needs 30; 90 used by 3 running (30 each): one must finish.
+    short = idle("a", kv_usage=0.9, num_running=3)
+    assert expected_wait_s(short, 30 * 16) == pytest.approx(0.5)
+    assert math.isinf(expected_wait_s(short, 101 * 16))  # never fits
+
+
+def test_drain_meter_counts_finishes_per_busy_second():
+    meter = DrainMeter(window_s=10.0)
+    assert meter.rate_rps(0.0) is None
+    meter.observe(0.0, 0, busy=True)
+    for t in range(1, 21):
+        meter.observe(float(t), 3 * t, busy=True)
+    assert meter.rate_rps(20.0) == pytest.approx(3.0, rel=0.1)  # counted at each interval's end
+    meter.observe(21.0, 63, busy=False)
+    meter.observe(600.0, 63, busy=False)  # idle: no decay
+    assert meter.rate_rps(600.0) == pytest.approx(meter.rate_rps(21.0))
+
+
+@pytest.mark.parametrize("policy", ["kv-aware", "prefix-affinity"])
+def test_simulator_routes_exactly_with_policies_that_read_kv(policy):
+    specs = _workload(200, seed=4, **SHARING)
+    offsets = [i * 0.01 for i in range(len(specs))]
+    fast, slow, _ = _compare(_config(AdmissionConfig(max_queue_wait_s=0.5), num_blocks=150, num_replicas=3,
+                                     router=policy), specs, offsets)
+    assert fast.route_trace == slow.route_trace
+    assert len({d.position for _, _, d in fast.route_trace}) == 3

@@ -13,6 +13,8 @@ import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvserve.server.cli", "Serve a model behind the OpenAI API with KV-aware admission."),
+    "gateway": ("kvserve.gateway.cli", "Front a fleet of OpenAI-compatible servers: routing, fleet admission, "
+                                       "model pools, a degradation ladder, the Batch API."),
     "generate": ("kvserve.engine.cli", "Generate text for one prompt with the offline engine."),
     "bench": ("kvserve.bench.cli", "Load-test any OpenAI-compatible server against an SLO."),
     "plan": ("kvserve.plan.cli", "Capacity math: KV bytes, concurrency, queueing, replicas."),

@@ -98,10 +98,13 @@ def gateway(backends: list[str], *flags: str, config: dict | None = None, tmp_pa
 
 
 def start_all(*procs: Proc) -> list[Proc]:
-    """Wait for processes started together (their start-ups overlap)."""
+    """Wait for processes started together (their start-ups overlap); a
+    gateway also until every backend given to it gets traffic."""
     try:
         for p in procs:
             p.wait_ready()
+            if p.name == "gateway":
+                wait_backends(p)
     except Exception:
         for p in procs:
             p.stop()
@@ -109,10 +112,25 @@ def start_all(*procs: Proc) -> list[Proc]:
     return list(procs)
 
 
+def wait_backends(gw: Proc, timeout_s: float = 30) -> None:
+    """Until the gateway routes to all its backends (each probed ready)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = [line for line in httpx.get(gw.url + "/metrics", timeout=10).text.splitlines()
+                  if line.startswith("kvserve_gateway_breaker_state{")]
+        num_backends = len(states) // 3  # one line per breaker state
+        if num_backends and backend_counter(gw.url, "kvserve_fleet_ready_backends") == num_backends:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"gateway never saw all its backends ready: {gw.log()}")
+
+
 def backend_counter(url: str, name: str) -> float:
-    """Sum of a /metrics sample over its labels."""
+    """Sum of a /metrics sample over its labels; `name` may include the
+    start of a label set (`name{backend="x"`), which then must match."""
     total = 0.0
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if "{" in name and line.startswith(name.rstrip("}")) or \
+                line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
     return total

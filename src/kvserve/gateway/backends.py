@@ -5,7 +5,7 @@ fails.
 
 A view is a `fleet.backend_state.BackendLoad`, so the router reads it
 directly. Between scrapes it counts what the gateway sent since the last
-one as waiting (and their projected KV as used), so a burst routed within
+one as running (and their projected KV as used), so a burst routed within
 one scrape interval still spreads. Pure Python, clock injected; the HTTP
 of scraping lives in `gateway.scrape`.
 """
@@ -161,12 +161,13 @@ class BackendView:
     # ---- what the router reads -------------------------------------------
     @property
     def num_running(self) -> int:
-        return self.scrape.num_running if self.scrape else 0
+        # Sent since the scrape: not in its numbers yet. Counted as running:
+        # a queue is evidence of a full batch only where the backend shows one.
+        return (self.scrape.num_running if self.scrape else 0) + self._sent_since_scrape
 
     @property
     def num_waiting(self) -> int:
-        # Sent since the scrape: not in its numbers yet, so count them as queued.
-        return (self.scrape.num_waiting if self.scrape else 0) + self._sent_since_scrape
+        return self.scrape.num_waiting if self.scrape else 0
 
     @property
     def kv_usage(self) -> float:

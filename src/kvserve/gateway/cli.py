@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from kvserve.fleet.router import ROUTERS, RouterConfig
+from kvserve.fleet.router import ROUTERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,21 +58,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_config(args: argparse.Namespace):
     from kvserve.gateway import config as gw
 
-    file_config = gw.from_mapping(gw.load_file(args.config)) if args.config else None
-    if file_config is None and not args.backend:
+    data = gw.load_file(args.config) if args.config else {}
+    data = gw.add_backends(data, args.backend or [])
+    if not data.get("pools"):
         raise ValueError("give at least one --backend URL, or --config FILE with pools")
-    router = None
-    if args.router is not None or args.affinity_slack is not None:
-        base = file_config.router if file_config is not None else RouterConfig()
-        router = RouterConfig(policy=args.router or base.policy,
-                              affinity_slack_s=base.affinity_slack_s if args.affinity_slack is None
-                              else args.affinity_slack,
-                              affinity_prefix_tokens=base.affinity_prefix_tokens, ring_points=base.ring_points)
-    return gw.with_backends(file_config, args.backend or [], router=router, host=args.host, port=args.port,
-                            api_keys_path=args.api_keys, retry_budget=args.retry_budget,
-                            max_queue_wait_s=args.max_queue_wait,
-                            deferred_max_queue_wait_s=args.deferred_max_queue_wait, state_dir=args.state_dir,
-                            shutdown_grace_s=args.shutdown_grace, scrape_interval_s=args.scrape_interval)
+    router = dict(data.get("router") or {})
+    if args.router is not None:
+        router["policy"] = args.router
+    if args.affinity_slack is not None:
+        router["affinity_slack_s"] = args.affinity_slack
+    if router:
+        data["router"] = router
+    return gw.from_mapping(data, host=args.host, port=args.port, api_keys_path=args.api_keys,
+                           retry_budget=args.retry_budget, max_queue_wait_s=args.max_queue_wait,
+                           deferred_max_queue_wait_s=args.deferred_max_queue_wait, state_dir=args.state_dir,
+                           shutdown_grace_s=args.shutdown_grace, scrape_interval_s=args.scrape_interval)
 
 
 def run(args: argparse.Namespace) -> int:

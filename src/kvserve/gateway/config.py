@@ -234,20 +234,17 @@ def from_mapping(data: dict[str, Any], **overrides: Any) -> GatewayConfig:
         raise ValueError(f"gateway config: {exc}") from exc
 
 
-def with_backends(config: GatewayConfig | None, urls: list[str], **overrides: Any) -> GatewayConfig:
-    """`--backend URL ...` (one pool, its model read from the backends) added
-    to a config file's pools, or standing alone."""
-    pools = list(config.pools) if config is not None else []
-    if urls:
-        extra = tuple(BackendConfig(u) for u in urls)
-        if len(pools) == 1:
-            pools[0] = replace(pools[0], backends=pools[0].backends + extra)
-        elif pools:
-            raise ValueError("--backend with several pools in --config: put the backends in their pools")
-        else:
-            pools = [PoolConfig(None, extra)]
-    base = config if config is not None else GatewayConfig(pools=tuple(pools))
-    return replace(base, pools=tuple(pools), **{k: v for k, v in overrides.items() if v is not None})
+def add_backends(data: dict[str, Any], urls: list[str]) -> dict[str, Any]:
+    """A config mapping with `--backend URL ...` added: they form the one
+    pool (its model read from the backends), or join a file's single pool."""
+    if not urls:
+        return data
+    pools = list(_list(data.get("pools", []), "pools"))
+    if len(pools) > 1:
+        raise ValueError("--backend with several pools in --config: put the backends in their pools")
+    pool = dict(_dict(pools[0], "pools[]")) if pools else {"model": None, "backends": []}
+    pool["backends"] = list(_list(pool.get("backends", []), "pools[].backends")) + list(urls)
+    return {**data, "pools": [pool]}
 
 
 def _pool(entry: Any) -> PoolConfig:

@@ -120,8 +120,6 @@ async def _limit_body(request: Request, max_bytes: int) -> None:
 
 
 def _batch_routes(app: FastAPI, gateway: Gateway) -> None:
-    store = gateway.batches
-
     def tenant_of(authorization: str | None) -> str:
         return gateway.authenticate(authorization).name
 
@@ -141,28 +139,28 @@ def _batch_routes(app: FastAPI, gateway: Gateway) -> None:
         content = await upload.read(MAX_FILE_BYTES + 1)
         if len(content) > MAX_FILE_BYTES:
             raise GatewayError(413, f"file exceeds {MAX_FILE_BYTES} bytes", code="body_too_large")
-        return store.create_file(tenant, "batch", upload.filename or "input.jsonl", content)
+        return gateway.batches.create_file(tenant, "batch", upload.filename or "input.jsonl", content)
 
     @app.get("/v1/files/{file_id}", responses=_ERRORS)
     async def file(file_id: str, authorization: str | None = Header(default=None)):
-        return store.file(tenant_of(authorization), file_id)
+        return gateway.batches.file(tenant_of(authorization), file_id)
 
     @app.get("/v1/files/{file_id}/content", responses=_ERRORS)
     async def file_content(file_id: str, authorization: str | None = Header(default=None)):
-        return Response(store.file_content(tenant_of(authorization), file_id), media_type="application/jsonl")
+        return Response(gateway.batches.file_content(tenant_of(authorization), file_id), media_type="application/jsonl")
 
     @app.post("/v1/batches", responses=_ERRORS)
     async def create_batch(body: BatchCreate, authorization: str | None = Header(default=None)):
-        return store.create_batch(tenant_of(authorization), body.input_file_id, body.endpoint,
+        return gateway.batches.create_batch(tenant_of(authorization), body.input_file_id, body.endpoint,
                                   body.completion_window, body.metadata)
 
     @app.get("/v1/batches/{batch_id}", responses=_ERRORS)
     async def batch(batch_id: str, authorization: str | None = Header(default=None)):
-        return store.batch(tenant_of(authorization), batch_id)
+        return gateway.batches.batch(tenant_of(authorization), batch_id)
 
     @app.post("/v1/batches/{batch_id}/cancel", responses=_ERRORS)
     async def cancel(batch_id: str, authorization: str | None = Header(default=None)):
-        return store.cancel(tenant_of(authorization), batch_id)
+        return gateway.batches.cancel(tenant_of(authorization), batch_id)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from kvserve.fleet.backend_state import expected_wait_s
-from kvserve.fleet.router import RouteRequest, affinity_key
+from kvserve.fleet.router import RouteDecision, RouteRequest, affinity_key
 from kvserve.gateway import proxy
 from kvserve.gateway.admission import FleetQuotas, Refusal, wait_refusal, whole_seconds
 from kvserve.gateway.backends import BackendView, Sent
@@ -95,7 +95,7 @@ class Gateway:
         self.quotas = FleetQuotas.from_keys_file(config.api_keys_path, config.retry_budget,
                                                  config.retry_budget_burst, clock)
         self.metrics = GatewayMetrics()
-        self.batches = BatchStore(config.state_dir)
+        self._batches: BatchStore | None = None  # opened by start(): the app can be built without I/O
         self.session: aiohttp.ClientSession | None = None
         self.draining = False
         self._tasks: list[asyncio.Task] = []
@@ -103,8 +103,15 @@ class Gateway:
         self._ids = itertools.count()
         self._num_streams = 0
 
+    @property
+    def batches(self) -> BatchStore:
+        if self._batches is None:
+            raise GatewayError(503, "the gateway is not started", "unavailable", "not_ready")
+        return self._batches
+
     # ---- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
+        self._batches = BatchStore(self.config.state_dir)
         connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         scraper = Scraper(list(self.views.values()), self.session, self.config)
@@ -125,7 +132,8 @@ class Gateway:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
-        self.batches.close()
+        if self._batches is not None:
+            self._batches.close()
 
     @property
     def ready(self) -> bool:
@@ -238,8 +246,7 @@ class Gateway:
         tried: set[str] = set()
         full: list[proxy.Upstream] = []
         while candidates:
-            decision = pool.router.pick(candidates, route)
-            backend = candidates[decision.position]
+            backend, decision = self.choose(pool, route, candidates)
             tried.add(backend.name)
             self.metrics.routed.labels(pool.label, backend.name, decision.reason).inc()
             sent = backend.on_send(num_tokens)
@@ -270,6 +277,13 @@ class Gateway:
             return self._saturated_by(full, candidates)
         raise GatewayError(502, f"every backend of model {pool.label!r} failed this request",
                            "unavailable", "backend_failed")
+
+    @staticmethod
+    def choose(pool: Pool, route: RouteRequest, candidates: list[BackendView]) -> tuple[BackendView, RouteDecision]:
+        """The routing decision: the pool's router over its eligible backends
+        in configured order (what `kvserve simulate` decides over its replicas)."""
+        decision = pool.router.pick(candidates, route)
+        return candidates[decision.position], decision
 
     def _saturated_by(self, full: list[proxy.Upstream], left: list[BackendView]) -> _Saturated:
         """Backends answered 429: Retry-After is the soonest any of them, or
@@ -428,7 +442,7 @@ class Gateway:
     def render_metrics(self) -> bytes:
         stale = self.config.stale_after_s
         self.metrics.refresh(((p.label, p.views, len(p.eligible(stale))) for p in self.pools),
-                             self.batches.counts_by_status())
+                             self._batches.counts_by_status() if self._batches is not None else {})
         return self.metrics.render()
 
 

@@ -61,6 +61,7 @@ class Proc:
     def kill9(self) -> None:
         self.process.send_signal(signal.SIGKILL)
         self.process.wait(10)
+        self._log.close()
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -69,7 +70,8 @@ class Proc:
                 self.process.wait(20)
             except subprocess.TimeoutExpired:
                 self.kill9()
-        self._log.close()
+        if not self._log.closed:
+            self._log.close()
 
 
 def tiny_backend(port: int | None = None, *flags: str) -> Proc:

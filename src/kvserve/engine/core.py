@@ -112,20 +112,24 @@ class _RequestState:
 
 
 class EngineCore:
-    def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Tokenizer,
+    def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor] | None, tokenizer: Tokenizer,
                  config: EngineConfig = EngineConfig(), *, versions: ResolvedVersions | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, runner=None) -> None:
+        """runner: in place of the torch ModelRunner built from `weights`, any
+        object with its `num_blocks`, `num_graph_captures` and `execute()`
+        (`kvserve serve --simulate`: sim.simulated_runner.SimulatedRunner)."""
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.config = config
         self.clock = clock
         self.max_model_len = min(model_config.max_position_embeddings,
                                  config.max_model_len or model_config.max_position_embeddings)
-        self.runner = ModelRunner(model_config, weights, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-                                  block_size=config.block_size, dtype=config.dtype, device=config.device,
-                                  max_model_len=self.max_model_len, seed=config.seed,
-                                  max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
-                                  quantization=config.quantization)
+        self.runner = runner if runner is not None else ModelRunner(
+            model_config, weights, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            block_size=config.block_size, dtype=config.dtype, device=config.device,
+            max_model_len=self.max_model_len, seed=config.seed,
+            max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
+            quantization=config.quantization)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len),

@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.add_kv_cache_arguments(model)
     flags.add_batching_arguments(model)
     flags.add_runtime_arguments(model)
+    from kvserve.server import simulated
+
+    simulated.add_arguments(parser)
     _add_http_arguments(parser.add_argument_group("HTTP"))
     flags.add_admission_arguments(parser.add_argument_group("admission (the promise)"))
 
@@ -95,6 +98,14 @@ def build_serving(args: argparse.Namespace):
     from kvserve.server.tenants import TenantDirectory
 
     tenants = TenantDirectory.from_file(args.api_keys) if args.api_keys else TenantDirectory()
+    if args.simulate:
+        from kvserve.server import simulated
+
+        core, versions, name = simulated.build_core(args)
+        admission, server = configs(args, args.served_model_name or name)
+        return Serving(core, admission, server, tenants, versions=versions)
+    if args.preset is not None:
+        raise ValueError("--preset needs --simulate (a preset is an architecture without weights)")
     set_torch_threads(args.torch_threads)
     loaded = load_model(args.model, quantization=args.quantization)
     name = args.served_model_name or Path(loaded.source).name.removesuffix(".gguf")

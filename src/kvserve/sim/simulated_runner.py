@@ -1,0 +1,77 @@
+"""The runner of a simulated replica (`kvserve serve --simulate`): stands in
+for the torch model runner with the simulator's cost model, on the wall
+clock. Each step sleeps the time the cost model gives its shape (sleep,
+never spin: eight simulated replicas share a 2-core machine) and samples,
+for every chunk that reaches its request's end, a token from a fixed
+vocabulary of ordinary words, never EOS, from its own seeded generator.
+
+The engine's own work around a step (schedule, update, detokenize) is
+counted inside the modelled step when steps run back to back: a step
+starts where the previous one ended, not when `execute` is called.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from kvserve.sim.cost_model import CostModel, chunk_shape
+
+# Steps closer than this to the previous one's end run back to back: the
+# gap is the engine's own work, which the step time already covers.
+BACK_TO_BACK_S = 0.005
+WORDS = ("the of and to in is was for that with as on by at from his an were are which this be or has had not "
+         "but one first new time year also their more two people after who they its been other when some over "
+         "city there all into many most state can only during while world where part").split()
+
+
+class SampledTokens(NamedTuple):
+    """What the engine reads of a runner's step (SamplerOutput's fields)."""
+
+    token_ids: dict[str, int]
+    logprobs: dict
+
+
+class SimulatedRunner:
+    num_graph_captures = 0  # no CUDA graphs to capture
+
+    def __init__(self, cost_model: CostModel, num_blocks: int, vocabulary: Sequence[int], seed: int = 0,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+        if num_blocks < 1 or not vocabulary:
+            raise ValueError("a simulated runner needs at least one KV block and one token to emit")
+        self.cost_model = cost_model
+        self.num_blocks = num_blocks
+        self.vocabulary = list(vocabulary)
+        self.clock, self.sleep = clock, sleep
+        self._rng = random.Random(seed)
+        self._last_end_s: float | None = None
+        self.busy_s = 0.0  # modelled step time so far
+
+    def execute(self, scheduler_output) -> SampledTokens:
+        chunks = scheduler_output.chunks
+        if not chunks:
+            return SampledTokens({}, {})
+        step_s = self.cost_model.step_time_s(chunk_shape(chunks))
+        now = self.clock()
+        last = self._last_end_s
+        start = last if last is not None and 0.0 <= now - last <= BACK_TO_BACK_S else now
+        end = start + step_s
+        if end > now:
+            self.sleep(end - now)
+        self._last_end_s = max(end, now)
+        self.busy_s += step_s
+        pick = self._rng.choice
+        return SampledTokens({c.request.request_id: pick(self.vocabulary) for c in chunks if c.samples}, {})
+
+
+def word_vocabulary(encode: Callable[[str], list[int]], excluded: set[int]) -> list[int]:
+    """One token id per common word (its first token, with a leading
+    space), none of them special or EOS."""
+    ids = []
+    for word in WORDS:
+        tokens = encode(" " + word)
+        if tokens and tokens[0] not in excluded and tokens[0] not in ids:
+            ids.append(tokens[0])
+    return ids

@@ -74,9 +74,17 @@ def test_prefix_affinity_is_bounded_by_load():
     assert expected_wait_s(busy[home]) == pytest.approx(2.5)
     moved = pa.pick(busy, RouteRequest(100, 10, key))
     assert moved.index != home and moved.reason == AFFINE_OVERFLOW
-    # Within the slack (one request ahead: 0.5 s) it stays.
-    busy[home] = idle(states[home].name, num_running=8, num_waiting=0)
-    assert pa.pick(busy, RouteRequest(100, 10, key)) == (home, AFFINE)
+    # Within the slack (one request ahead: 0.5 s) and the load bound it stays.
+    even = [idle(s.name, num_running=7) for s in states]
+    even[home] = idle(states[home].name, num_running=8)
+    assert pa.pick(even, RouteRequest(100, 10, key)) == (home, AFFINE)
+    # A hot prefix: no wait anywhere (batch slots free), but the affine
+    # backend holds far more than its share (8 of 10 against a bound of
+    # 1.25 x 11 / 3 + 1): the next backend on the ring takes it.
+    hot = [idle(s.name, num_running=1, running_cap=64) for s in states]
+    hot[home] = idle(states[home].name, num_running=8, running_cap=64)
+    moved = pa.pick(hot, RouteRequest(100, 10, key))
+    assert moved.position != home and moved.reason == AFFINE_OVERFLOW
 
 
 def test_hash_ring_moves_only_the_keys_of_a_removed_backend():

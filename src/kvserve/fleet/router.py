@@ -10,9 +10,12 @@ backends that are eligible now.
 - prefix-affinity: a consistent-hash ring keyed by the tenant plus a hash
   of the prompt's leading blocks, so a shared prefix keeps landing where it
   is cached; bounded by load: when the affine backend's expected wait
-  exceeds the least-loaded one's by more than the slack, the walk goes on
-  round the ring to the first backend within it. The tenant is part of the
-  key, so tenants with the same prefix never share a key.
+  exceeds the least-loaded one's by more than the slack, or its load
+  (running + waiting) is past `affinity_load_factor` times the mean load
+  (consistent hashing with bounded loads: a few hot prefixes would
+  otherwise pile onto one backend), the walk goes on round the ring to the
+  first backend within both. The tenant is part of the key, so tenants
+  with the same prefix never share a key.
 
 Ties go to the earlier backend in the list, so a decision depends only on
 the states and the request (and, for round-robin, the turn).
@@ -47,13 +50,15 @@ NO_KEY: Final = "no_key"  # prefix-affinity without a key: least-loaded
 class RouterConfig:
     """policy: one of ROUTERS. affinity_slack_s: prefix-affinity keeps a key
     on its backend while that backend's expected wait exceeds the
-    least-loaded one's by at most this (seconds). affinity_prefix_tokens:
+    least-loaded one's by at most this (seconds), and its load is at most
+    affinity_load_factor x the mean load (+1). affinity_prefix_tokens:
     how much of the prompt's start the key covers (tokens; the gateway,
     which sees text, takes 4 bytes per token). ring_points: points per
     backend on the hash ring (more: a more even share per backend)."""
 
     policy: str = "least-loaded"
     affinity_slack_s: float = 0.5
+    affinity_load_factor: float = 1.25
     affinity_prefix_tokens: int = 64
     ring_points: int = 64
 
@@ -62,6 +67,8 @@ class RouterConfig:
             raise ValueError(f"unknown router {self.policy!r}; use one of {', '.join(ROUTERS)}")
         if not self.affinity_slack_s >= 0:
             raise ValueError(f"affinity_slack_s must be >= 0, got {self.affinity_slack_s}")
+        if not self.affinity_load_factor >= 1:
+            raise ValueError(f"affinity_load_factor must be >= 1, got {self.affinity_load_factor}")
         if self.affinity_prefix_tokens < 1 or self.ring_points < 1:
             raise ValueError("affinity_prefix_tokens and ring_points must be >= 1")
 
@@ -154,13 +161,17 @@ class Router:
             return RouteDecision(least_loaded(backends), NO_KEY)
         num_tokens = request.num_prompt_tokens + request.max_tokens
         waits = [expected_wait_s(b, num_tokens) for b in backends]
+        loads = [b.num_running + b.num_waiting for b in backends]
         bound_s = min(waits) + self.config.affinity_slack_s
+        # The request itself counts: with n backends, a load bound of
+        # factor * (total + 1) / n always leaves one within it.
+        load_bound = self.config.affinity_load_factor * (sum(loads) + 1) / len(backends) + 1
         index_of = {b.name: i for i, b in enumerate(backends)}
         for step, name in enumerate(self._ring_of(backends).walk(request.affinity_key)):
             i = index_of[name]
-            if waits[i] <= bound_s:
+            if waits[i] <= bound_s and loads[i] + 1 <= load_bound:
                 return RouteDecision(i, AFFINE if step == 0 else AFFINE_OVERFLOW)
-        return RouteDecision(waits.index(min(waits)), AFFINE_OVERFLOW)  # only with infinite waits
+        return RouteDecision(least_loaded(backends), AFFINE_OVERFLOW)  # waits and loads disagree
 
     def _ring_of(self, backends: Sequence[BackendLoad]) -> HashRing:
         names = tuple(b.name for b in backends)
@@ -184,14 +195,15 @@ def _kv_aware(backends: Sequence[BackendLoad], request: RouteRequest) -> RouteDe
     expected wait, then the most blocks left over. Where they fit nowhere:
     the shortest expected wait (the KV it lacks drained), then the most free."""
     num_tokens = request.num_prompt_tokens + request.max_tokens
-    best, best_key, best_fits = 0, (0.0, 0.0), False
+    best, best_key, best_fits = 0, (0.0, 0.0, 0), False
     for i, backend in enumerate(backends):
         need, free = blocks_needed(backend, num_tokens), free_blocks(backend)
         if free is None:  # size unknown: the free share stands in for the headroom
             fits, headroom = True, 1.0 - backend.kv_usage
         else:
             fits, headroom = need is None or need <= free, float(free - (need or 0))
-        key = (expected_wait_s(backend, num_tokens), -headroom)
+        # Load last: among equal waits and headroom (an idle fleet), the one with fewest requests.
+        key = (expected_wait_s(backend, num_tokens), -headroom, backend.num_running + backend.num_waiting)
         if i == 0 or (fits and not best_fits) or (fits == best_fits and key < best_key):
             best, best_key, best_fits = i, key, fits
     return RouteDecision(best, KV_FIT if best_fits else KV_SHORT)

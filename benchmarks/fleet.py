@@ -47,14 +47,17 @@ SLO = "ttft=2,tpot=0.1"
 # requests; ~250 tokens of the user's own): prefill is what a prefix hit
 # saves. Outputs are short so the token stream through gateway and client
 # stays inside a 2-core machine.
-WORKLOAD = ["--workload",
-            "prompt=lognormal:median=2300,sigma=0.1,min=2100,max=4000;output=lognormal:median=32,sigma=0.5,min=8,max=128",
-            "--prefix-groups", "8", "--prefix-tokens", "2048", "--prefix-share", "0.9", "--arrival", "poisson"]
+def workload(prefix_tokens: int, prompt_median: int) -> list[str]:
+    return ["--workload", f"prompt=lognormal:median={prompt_median},sigma=0.1,min={prefix_tokens + 50},"
+                          f"max={2 * prompt_median};output=lognormal:median=32,sigma=0.5,min=8,max=128",
+            "--prefix-groups", "8", "--prefix-tokens", str(prefix_tokens), "--prefix-share", "0.9",
+            "--arrival", "poisson"]
 ENGINE = ["--max-num-seqs", "32", "--max-num-batched-tokens", "1024", "--block-size", "16", "--max-model-len", "8192"]
+# The tiny model's context is 2048 tokens: its system prompts are shorter.
 PARTS = {
     "simulated": {"replicas": 4, "model": ["--preset", "llama-3.1-8b"], "hardware": "l4",
-                  "kv": "1GiB", "serve": ["--simulate"]},
-    "tiny": {"replicas": 2, "kv": "256MiB", "serve": ["--torch-threads", "1"]},
+                  "kv": "1GiB", "serve": ["--simulate"], "workload": workload(2048, 2300)},
+    "tiny": {"replicas": 2, "kv": "8MiB", "serve": ["--torch-threads", "1"], "workload": workload(512, 600)},
 }
 
 
@@ -138,8 +141,10 @@ def summary_row(report: dict) -> dict:
             "errors": s["outcomes"]["error"] + s["outcomes"]["timed_out"], "num_requests": s["num_requests"]}
 
 
-def run_bench(url: str, rate: float, args, out: Path) -> dict:
-    cmd = kvserve("bench", "--base-url", url, "--model", "m", "--endpoint", "chat", *WORKLOAD, "--rate", f"{rate:.4g}",
+def run_bench(part: dict, url: str, rate: float, args, out: Path) -> dict:
+    # Exact prompt lengths (the backends' tokenizer), so the simulator sees the same token counts.
+    cmd = kvserve("bench", "--base-url", url, "--model", "m", "--endpoint", "chat", *part["workload"],
+                  "--tokenizer", part["tokenizer"], "--rate", f"{rate:.4g}",
                   "--duration", str(args.duration), "--seed", "1", "--slo", SLO, "--retries", "0",
                   "--timeout", "60", "--no-progress", "--out", str(out))
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
@@ -148,7 +153,7 @@ def run_bench(url: str, rate: float, args, out: Path) -> dict:
 
 def sim_flags(part: dict, model_flags: list[str], hardware: str) -> list[str]:
     return [*model_flags, "--hardware", hardware, "--kv-cache-memory", part["kv"], "--replicas",
-            str(part["replicas"]), *ENGINE, *WORKLOAD, "--seed", "1", "--slo", SLO]
+            str(part["replicas"]), *ENGINE, *part["workload"], "--seed", "1", "--slo", SLO]
 
 
 def run_simulate(part, model_flags, hardware, router: str, rate: float, args, out: Path) -> dict:
@@ -187,9 +192,13 @@ def run_part(name: str, args, workdir: Path) -> dict:
     part = dict(PARTS[name])
     if name == "tiny":
         model_flags, hardware = tiny_model(workdir)
+        part["tokenizer"] = str(Path(model_flags[1]) / "tokenizer.json")
     else:
+        from kvserve.model.default_model import default_model_path
+
         model_flags, hardware = part["model"], part["hardware"]
         part["serve_hardware"] = ["--hardware", hardware]
+        part["tokenizer"] = str(default_model_path())  # a preset's simulated replica uses SmolLM2's tokenizer
     c_rr = capacity(part, model_flags, hardware, "round-robin", args, workdir / f"{name}-cap-rr")
     c_pa = capacity(part, model_flags, hardware, "prefix-affinity", args, workdir / f"{name}-cap-pa")
     rates = sorted({round(c_rr, 2), round(1.6 * c_rr, 2), round(3 * max(c_pa, c_rr), 2)})
@@ -201,7 +210,7 @@ def run_part(name: str, args, workdir: Path) -> dict:
         try:
             for rate in rates:
                 hits0, queries0 = fleet.prefix_counters()
-                live = summary_row(run_bench(fleet.url, rate, args, workdir / f"{name}-{router}-{rate}"))
+                live = summary_row(run_bench(part, fleet.url, rate, args, workdir / f"{name}-{router}-{rate}"))
                 hits1, queries1 = fleet.prefix_counters()
                 live["prefix_hit_rate"] = (hits1 - hits0) / (queries1 - queries0) if queries1 > queries0 else None
                 sim = run_simulate(part, model_flags, hardware, router, rate, args,
@@ -268,7 +277,8 @@ def main() -> int:
     parts = list(PARTS) if args.part == "all" else [args.part]
     with tempfile.TemporaryDirectory(prefix="kvserve-fleet-") as tmp:
         results = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPUs", "slo": SLO,
-                   "workload": WORKLOAD, "engine": ENGINE, "duration_s": args.duration,
+                   "workloads": {n: p["workload"] for n, p in PARTS.items()}, "engine": ENGINE,
+                   "duration_s": args.duration,
                    "parts": {name: run_part(name, args, Path(tmp)) for name in parts}}
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(format_table(results))

@@ -101,7 +101,7 @@ class Gateway:
         self._tasks: list[asyncio.Task] = []
         self._id_prefix = secrets.token_hex(4)
         self._ids = itertools.count()
-        self._num_streams = 0
+        self._num_active = 0  # requests in flight, streams until their end: what a drain waits for
 
     @property
     def batches(self) -> BatchStore:
@@ -120,10 +120,10 @@ class Gateway:
         self._tasks = [asyncio.create_task(scraper.run()), asyncio.create_task(runner.run())]
 
     async def drain(self, grace_s: float) -> None:
-        """Stop taking requests; let streams in flight finish for up to grace_s."""
+        """Stop taking requests; let those in flight finish for up to grace_s."""
         self.draining = True
         deadline = time.monotonic() + grace_s
-        while self._num_streams and time.monotonic() < deadline:
+        while self._num_active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
@@ -161,14 +161,16 @@ class Gateway:
         if refusal is not None:
             self.metrics.admission.labels(pool.label, "reject", refusal.reason).inc()
             raise GatewayError.of(refusal)
+        self._num_active += 1
+        streaming = False
         try:
             response = await self._serve(request_id, inbound, tenant, pool, http_request, headers)
-        except BaseException:
-            self.quotas.on_finish(request_id)
-            raise
-        if not isinstance(response, StreamingResponse):
-            self.quotas.on_finish(request_id, getattr(response, "kvserve_tokens", None))
-        return response
+            streaming = isinstance(response, StreamingResponse)  # it ends (and finishes) with its stream
+            return response
+        finally:
+            if not streaming:
+                self._num_active -= 1
+                self.quotas.on_finish(request_id)  # a no-op when the answer already did it
 
     async def _pool_of(self, inbound: Inbound) -> Pool:
         """The pool for the body's model; an alias chooses one."""
@@ -353,9 +355,8 @@ class Gateway:
         finally:
             upstream.response.release()
             backend.on_done(sent)
-        response = _bytes_response(content, 200, headers)
-        response.kvserve_tokens = _tokens_of(content)
-        return response
+        self.quotas.on_finish(request_id, _tokens_of(content))  # refunds tokens per minute to what was used
+        return _bytes_response(content, 200, headers)
 
     def _stream(self, request_id: str, upstream: proxy.Upstream, sent: Sent,
                 headers: dict[str, str]) -> StreamingResponse:
@@ -367,7 +368,6 @@ class Gateway:
             self.metrics.stream_errors.labels(backend.name).inc()
 
         relay = proxy.StreamRelay(upstream, failed)
-        self._num_streams += 1
         ended = False
 
         async def end() -> None:
@@ -377,7 +377,7 @@ class Gateway:
             if ended:
                 return
             ended = True
-            self._num_streams -= 1
+            self._num_active -= 1
             upstream.response.close()
             backend.on_done(sent)
             self.quotas.on_finish(request_id, proxy.usage_tokens(relay.usage))

@@ -23,7 +23,8 @@ PACKAGE = ROOT / "src" / "kvserve"
 
 # The pure-Python core and the thinking tools: no torch (nor transformers,
 # which imports it), so they run anywhere and fast.
-TORCH_FREE = ("kv_cache", "scheduler", "admission", "fleet", "model_facts", "plan", "sim", "structured")
+TORCH_FREE = ("kv_cache", "scheduler", "admission", "fleet", "model_facts", "plan", "sim", "structured",
+              "gateway")
 TORCH = ("torch", "transformers", "triton")
 # bench speaks HTTP only: it measures any server, so it imports nothing of
 # kvserve's engine, server or policies.
@@ -32,6 +33,10 @@ NOT_FOR_BENCH = ("engine", "model", "runner", "server", "scheduler", "kv_cache",
 # Modules exempt from their package's rule, with the reason (none now:
 # `kvserve profile`, which times the real engine, lives in engine/).
 EXEMPT: dict[str, str] = {}
+# The gateway fronts servers over HTTP and reuses the server's torch-free
+# front, never its engine: the OpenAI wire format, the API keys file and the
+# SIGTERM drain (gateway is in TORCH_FREE, so these may not reach torch).
+SERVER_FRONT = ("kvserve.server.protocol", "kvserve.server.tenants", "kvserve.server.draining")
 # Packages that must exist, so a wrong path cannot make the rules vacuous.
 REQUIRED = ("kv_cache", "scheduler", "model_facts", "plan", "sim", "bench", "engine", "server")
 
@@ -88,9 +93,12 @@ def test_bench_imports_nothing_of_the_engine(graph):
 
 
 def test_nothing_imports_the_server_but_the_cli(graph):
-    importers = sorted(m for m, targets in graph.items() if package_of(m) != "server"
+    importers = sorted(m for m, targets in graph.items() if package_of(m) not in ("server", "gateway")
                        and any(package_of(t) == "server" for t in targets))
     assert importers in ([], ["kvserve.cli"]), importers
+    gateway = {t for m, targets in graph.items() if package_of(m) == "gateway" for t in targets
+               if package_of(t) == "server"}
+    assert gateway <= set(SERVER_FRONT), sorted(gateway - set(SERVER_FRONT))
 
 
 def test_no_import_cycles(graph):

@@ -91,7 +91,7 @@ def serve(gateway) -> int:
     import uvicorn
 
     from kvserve.gateway.app import create_gateway_app
-    from kvserve.server.cli import DrainingServer
+    from kvserve.server.draining import DrainingServer
 
     config = uvicorn.Config(create_gateway_app(gateway), host=gateway.config.host, port=gateway.config.port,
                             log_level="warning", timeout_graceful_shutdown=5)

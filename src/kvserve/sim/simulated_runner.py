@@ -34,8 +34,18 @@ class SampledTokens(NamedTuple):
     logprobs: dict
 
 
+class NoWeights:
+    """The runner's `model` as the server reads it: a simulated replica holds
+    no weights (the kvserve_weight_bytes gauge stays empty)."""
+
+    @staticmethod
+    def weight_formats() -> dict[str, int]:
+        return {}
+
+
 class SimulatedRunner:
     num_graph_captures = 0  # no CUDA graphs to capture
+    model = NoWeights()
 
     def __init__(self, cost_model: CostModel, num_blocks: int, vocabulary: Sequence[int], seed: int = 0,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
@@ -49,7 +59,11 @@ class SimulatedRunner:
         self._last_end_s: float | None = None
         self.busy_s = 0.0  # modelled step time so far
 
-    def execute(self, scheduler_output) -> SampledTokens:
+    def execute(self, scheduler_output, sampling_states=None) -> SampledTokens:
+        """One step: sleep its modelled time, sample a word for each chunk
+        that samples. sampling_states (the engine's per-request sampling:
+        penalties, grammars) are not applied: a simulated replica emits
+        words, not constrained output."""
         chunks = scheduler_output.chunks
         if not chunks:
             return SampledTokens({}, {})

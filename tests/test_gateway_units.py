@@ -70,8 +70,8 @@ def test_config_file_reads_pools_aliases_and_the_ladder(tmp_path):
     assert config.aliases[0].rules[0].matches(50, 16) and not config.aliases[0].rules[0].matches(50, None)
     assert config.rungs_for(0) == ("cap_max_tokens", "smaller_model", "deferred", "reject")
     assert config.rungs_for(5) == ("deferred", "reject") and config.rungs_for(-3) == config.rungs_for(0)
-    assert config.ladder_max_tokens == 16 and config.max_wait_s(0) == 0.5 and config.max_wait_s(1) == 8.0
-    assert config.retry_budget == 0.2 and config.port == 9000
+    assert config.ladder_max_tokens == 16 and config.admission.max_wait_s(0) == 0.5 and config.admission.max_wait_s(1) == 8.0
+    assert config.admission.retry_budget == 0.2 and config.port == 9000
 
 
 @pytest.mark.parametrize("data,message", [

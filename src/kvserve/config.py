@@ -140,6 +140,11 @@ class AdmissionConfig:
         _check(self.degrade_max_tokens >= 1,
                f"degrade_max_tokens must be >= 1, got {self.degrade_max_tokens}")
 
+    def max_wait_s(self, priority: int) -> float:
+        """A class's queue-wait limit: deferred classes (priority > 0) wait
+        longer (a replica's admission and the gateway's fleet refusal)."""
+        return self.deferred_max_queue_wait_s if priority > 0 else self.max_queue_wait_s
+
 
 @dataclass(frozen=True)
 class ServerConfig:

@@ -113,8 +113,9 @@ class AdmissionController:
         return self.step_limiter.step_limits(num_running)
 
     def max_wait_s(self, priority: int) -> float:
-        """The class's limit: deferred classes (priority > 0) wait longer."""
-        return self.config.deferred_max_queue_wait_s if priority > 0 else self.config.max_queue_wait_s
+        """The class's limit (AdmissionConfig.max_wait_s)."""
+        limit_s: float = self.config.max_wait_s(priority)
+        return limit_s
 
     def expected_wait_s(self, request: AdmissionRequest, max_tokens: int | None = None) -> tuple[float, Reason]:
         """Expected seconds until `request` can start, and what binds it

@@ -69,10 +69,11 @@ def build_config(args: argparse.Namespace):
         router["affinity_slack_s"] = args.affinity_slack
     if router:
         data["router"] = router
-    return gw.from_mapping(data, host=args.host, port=args.port, api_keys_path=args.api_keys,
-                           retry_budget=args.retry_budget, max_queue_wait_s=args.max_queue_wait,
-                           deferred_max_queue_wait_s=args.deferred_max_queue_wait, state_dir=args.state_dir,
-                           shutdown_grace_s=args.shutdown_grace, scrape_interval_s=args.scrape_interval)
+    admission = {"retry_budget": args.retry_budget, "max_queue_wait_s": args.max_queue_wait,
+                 "deferred_max_queue_wait_s": args.deferred_max_queue_wait}
+    return gw.from_mapping(data, admission, host=args.host, port=args.port, api_keys_path=args.api_keys,
+                           state_dir=args.state_dir, shutdown_grace_s=args.shutdown_grace,
+                           scrape_interval_s=args.scrape_interval)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ entry.
       auto: {default: large, rules: [{max_prompt_chars: 400, max_tokens_at_most: 64, model: small}]}
     ladder:                               # per priority class (the largest key <= the priority)
       "0": [cap_max_tokens, smaller_model, deferred, reject]
-    admission: {max_queue_wait_s: 1.0, deferred_max_queue_wait_s: 8.0, retry_budget: 0.1}
+    admission: {max_queue_wait_s: 1.0, deferred_max_queue_wait_s: 8.0, retry_budget: 0.1}  # AdmissionConfig
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from kvserve.config import AdmissionConfig
 from kvserve.fleet.router import RouterConfig
 
 # Ladder rungs, tried in the configured order when the request's pool
@@ -123,11 +124,10 @@ class GatewayConfig:
     # priority class (the largest key <= a request's priority) -> rungs
     ladder: tuple[tuple[int, tuple[str, ...]], ...] = ((0, (REJECT,)),)
     ladder_max_tokens: int = 64
-    max_queue_wait_s: float = 1.0
-    deferred_max_queue_wait_s: float = 8.0
-    retry_budget: float = 0.1
-    retry_budget_burst: float = 5.0
-    default_max_tokens: int = 256  # what a backend defaults to: the projection of a request without one
+    # The fleet's admission settings, as a server's: the classes' queue-wait
+    # limits, the retry budget, and default_max_tokens (what a backend
+    # defaults to: the projection of a request without one).
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     api_keys_path: str | None = None
     state_dir: str = "kvserve-gateway-state"
     scrape_interval_s: float = 1.0
@@ -164,12 +164,11 @@ class GatewayConfig:
             bad = [r for r in rungs if r not in RUNGS]
             if bad or not rungs:
                 raise ValueError(f"ladder rungs must be among {RUNGS}, got {list(rungs)}")
-        for name in ("max_queue_wait_s", "deferred_max_queue_wait_s", "scrape_interval_s", "stale_after_s",
-                     "scrape_timeout_s", "connect_timeout_s"):
+        for name in ("scrape_interval_s", "stale_after_s", "scrape_timeout_s", "connect_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        if self.retry_budget < 0 or self.ladder_max_tokens < 1 or self.batch_concurrency < 1:
-            raise ValueError("retry_budget must be >= 0, ladder_max_tokens and batch_concurrency >= 1")
+        if self.ladder_max_tokens < 1 or self.batch_concurrency < 1:
+            raise ValueError("ladder_max_tokens and batch_concurrency must be >= 1")
 
     def rungs_for(self, priority: int) -> tuple[str, ...]:
         """The ladder of a request's priority class."""
@@ -178,10 +177,6 @@ class GatewayConfig:
             if threshold <= priority:
                 chosen = rungs
         return chosen
-
-    def max_wait_s(self, priority: int) -> float:
-        """The class's queue-wait limit, as the server's (priority > 0 is deferred)."""
-        return self.deferred_max_queue_wait_s if priority > 0 else self.max_queue_wait_s
 
     def pool(self, model: str | None) -> PoolConfig | None:
         return next((p for p in self.pools if p.model == model), None)
@@ -202,9 +197,11 @@ def load_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def from_mapping(data: dict[str, Any], **overrides: Any) -> GatewayConfig:
-    """A GatewayConfig from a parsed config file; `overrides` (flags that
-    were given) win over the file."""
+def from_mapping(data: dict[str, Any], admission: dict[str, Any] | None = None,
+                 **overrides: Any) -> GatewayConfig:
+    """A GatewayConfig from a parsed config file; `overrides` and
+    `admission` (flags that were given; None = not given) win over the
+    file and its `admission` block."""
     data = dict(data)
     known = {f.name for f in fields(GatewayConfig)} | {"admission", "ladder"}
     unknown = set(data) - known - {"tenants"}
@@ -225,10 +222,12 @@ def from_mapping(data: dict[str, Any], **overrides: Any) -> GatewayConfig:
         values["breaker"] = _build(BreakerConfig, data.pop("breaker"), "breaker")
     if "tenants" in data:
         values["api_keys_path"] = data.pop("tenants")
-    values.update(_dict(data.pop("admission", {}), "admission"))
+    admission_values = _dict(data.pop("admission", {}), "admission")
+    admission_values.update({k: v for k, v in (admission or {}).items() if v is not None})
     values.update(data)
     values.update({k: v for k, v in overrides.items() if v is not None})
     try:
+        values["admission"] = AdmissionConfig(**admission_values)
         return GatewayConfig(**values)
     except TypeError as exc:
         raise ValueError(f"gateway config: {exc}") from exc

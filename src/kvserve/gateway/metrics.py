@@ -11,9 +11,16 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from kvserve.admission.decision import Outcome, Reason
 from kvserve.fleet.autoscale import desired_replicas
 from kvserve.fleet.backend_state import expected_wait_s
 from kvserve.gateway.backends import BREAKER_STATES, BackendView
+
+
+# The gateway's own decision beside admission's outcomes: moved to the
+# deferred lane (202 + batch id); and the reason of a ladder's change.
+DEFER = "defer"
+LADDER = "ladder"
 
 
 class GatewayMetrics:
@@ -52,6 +59,11 @@ class GatewayMetrics:
         self.ready_backends = Gauge("kvserve_fleet_ready_backends", "Backends getting traffic now.", ["pool"],
                                     registry=r)
         self._ejections_seen: dict[str, int] = {}
+
+    def record_admission(self, pool: str, outcome: Outcome | str, reason: Reason | str | None) -> None:
+        """One fleet decision; labels are the wire strings, as the server's
+        kvserve_admission_decisions_total ("none" for no reason)."""
+        self.admission.labels(pool, str(outcome), "none" if reason is None else str(reason)).inc()
 
     def refresh(self, pools: Iterable[tuple[str, list[BackendView], int]], batch_counts: dict[str, int]) -> None:
         """Backend gauges from the views: (pool name, its views, how many are eligible)."""

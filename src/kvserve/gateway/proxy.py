@@ -86,12 +86,12 @@ async def send(session: aiohttp.ClientSession, backend: BackendView, path: str, 
         response.release()
     if response.status == 429:
         return Upstream(FULL, backend, response, content)
-    if response.status >= 500 and not (response.status == 503 and _error_code(content) in REQUEST_503_CODES):
+    if response.status >= 500 and not (response.status == 503 and error_code(content) in REQUEST_503_CODES):
         return Upstream(FAILED, backend, response, content, failure=f"HTTP {response.status}")
     return Upstream(ANSWER, backend, response, content)
 
 
-def _error_code(content: bytes) -> str | None:
+def error_code(content: bytes) -> str | None:
     try:
         error = json.loads(content).get("error") or {}
         return error.get("code")

@@ -29,15 +29,16 @@ import aiohttp
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from kvserve.admission.decision import AdmissionDecision, Outcome, Reason, whole_seconds
 from kvserve.fleet.backend_state import expected_wait_s
 from kvserve.fleet.router import RouteDecision, RouteRequest, affinity_key
 from kvserve.gateway import proxy
-from kvserve.gateway.admission import FleetQuotas, Refusal, wait_refusal, whole_seconds
+from kvserve.gateway.admission import FleetQuotas, wait_refusal
 from kvserve.gateway.backends import BackendView, Sent
 from kvserve.gateway.batches import BatchRunner, BatchStore, PendingLine, RetryLater
 from kvserve.gateway.config import CAP_MAX_TOKENS, DEFERRED, REJECT, SMALLER_MODEL, GatewayConfig
 from kvserve.gateway.inbound import BYTES_PER_TOKEN, Inbound, read_inbound
-from kvserve.gateway.metrics import GatewayMetrics
+from kvserve.gateway.metrics import DEFER, LADDER, GatewayMetrics
 from kvserve.gateway.pools import AliasPolicy, Pool
 from kvserve.gateway.scrape import Scraper
 from kvserve.server import protocol
@@ -56,9 +57,11 @@ class GatewayError(Exception):
         self.headers = headers or {}
 
     @classmethod
-    def of(cls, refusal: Refusal) -> GatewayError:
+    def of(cls, refusal: AdmissionDecision) -> GatewayError:
+        """The server's answer to the same refusal (status, type, code, Retry-After)."""
         headers = {"Retry-After": str(refusal.retry_after_s)} if refusal.retry_after_s is not None else {}
-        return cls(refusal.status, refusal.message, refusal.type, refusal.reason, None, headers)
+        return cls(refusal.status, refusal.message, protocol.refusal_type(refusal.status, refusal.reason),
+                   refusal.reason, None, headers)
 
     def response(self) -> JSONResponse:
         return JSONResponse(protocol.error_body(self.message, self.type, self.code, self.param),
@@ -69,7 +72,7 @@ class GatewayError(Exception):
 class _Saturated:
     """The pool could not take the request: why, and when to come back."""
 
-    reason: str
+    reason: str  # a Reason, or the code a backend's 429 gave
     message: str
     retry_after_s: int
 
@@ -92,8 +95,8 @@ class Gateway:
         self.views = {b.name: BackendView(b, config.breaker, clock) for p in config.pools for b in p.backends}
         self.pools = [Pool(p, [self.views[b.name] for b in p.backends], config.router) for p in config.pools]
         self.aliases = {a.name: AliasPolicy(a) for a in config.aliases}
-        self.quotas = FleetQuotas.from_keys_file(config.api_keys_path, config.retry_budget,
-                                                 config.retry_budget_burst, clock)
+        self.quotas = FleetQuotas.from_keys_file(config.api_keys_path, config.admission.retry_budget,
+                                                 config.admission.retry_budget_burst, clock)
         self.metrics = GatewayMetrics()
         self._batches: BatchStore | None = None  # opened by start(): the app can be built without I/O
         self.session: aiohttp.ClientSession | None = None
@@ -156,10 +159,10 @@ class Gateway:
         inbound = read_inbound(kind, http_request.url.path, await http_request.body(), tenant.priority, headers)
         pool = await self._pool_of(inbound)
         request_id = f"gw-{self._id_prefix}{next(self._ids):08x}"
-        max_tokens = inbound.requested_max_tokens or self.config.default_max_tokens
+        max_tokens = inbound.requested_max_tokens or self.config.admission.default_max_tokens
         refusal = self.quotas.admit(request_id, tenant, inbound.num_prompt_tokens, max_tokens, inbound.is_retry)
         if refusal is not None:
-            self.metrics.admission.labels(pool.label, "reject", refusal.reason).inc()
+            self.metrics.record_admission(pool.label, Outcome.REJECT, refusal.reason)
             raise GatewayError.of(refusal)
         self._num_active += 1
         streaming = False
@@ -203,9 +206,9 @@ class Gateway:
             rung = self._next_rung(rungs, inbound, placement)
             label = placement.pool.label
             if rung is None or rung == REJECT:
-                self.metrics.admission.labels(label, "reject", outcome.reason).inc()
-                raise GatewayError(429, outcome.message, "overloaded", outcome.reason, None,
-                                   {"Retry-After": str(outcome.retry_after_s)})
+                self.metrics.record_admission(label, Outcome.REJECT, outcome.reason)
+                raise GatewayError(429, outcome.message, protocol.refusal_type(429, outcome.reason), outcome.reason,
+                                   None, {"Retry-After": str(outcome.retry_after_s)})
             self.metrics.degradations.labels(label, rung).inc()
             if rung == DEFERRED:
                 return self._defer(request_id, inbound, tenant, placement)
@@ -216,7 +219,8 @@ class Gateway:
             rung = rungs.pop(0)
             if rung == CAP_MAX_TOKENS:
                 cap = self.config.ladder_max_tokens
-                current = placement.max_tokens or inbound.requested_max_tokens or self.config.default_max_tokens
+                current = placement.max_tokens or inbound.requested_max_tokens \
+                    or self.config.admission.default_max_tokens
                 if current > cap:
                     placement.max_tokens = cap
                     placement.degraded.append(f"max_tokens={cap}")
@@ -238,11 +242,12 @@ class Gateway:
         if not candidates:
             raise GatewayError(503, f"no backend of model {pool.label!r} is available (all ejected or not ready)",
                                "unavailable", "no_backend")
-        max_tokens = placement.max_tokens or inbound.requested_max_tokens or cfg.default_max_tokens
+        max_tokens = placement.max_tokens or inbound.requested_max_tokens or cfg.admission.default_max_tokens
         num_tokens = inbound.num_prompt_tokens + max_tokens
-        refusal = wait_refusal(candidates, num_tokens, cfg.max_wait_s(inbound.priority))
+        refusal = wait_refusal(candidates, num_tokens, cfg.admission.max_wait_s(inbound.priority))
         if refusal is not None:
-            return _Saturated(refusal.reason, refusal.message, refusal.retry_after_s or 1)
+            assert refusal.reason is not None and refusal.retry_after_s is not None  # a 429 has both
+            return _Saturated(refusal.reason, refusal.message, refusal.retry_after_s)
         route = RouteRequest(inbound.num_prompt_tokens, max_tokens, self._key(pool, inbound, tenant))
         body = inbound.body_bytes(pool.model if placement.rename else None, placement.max_tokens)
         tried: set[str] = set()
@@ -292,7 +297,7 @@ class Gateway:
         another eligible backend by its measured drain, expects room."""
         waits = [u.retry_after_s for u in full if u.retry_after_s is not None]
         waits += [whole_seconds(expected_wait_s(v)) for v in left]
-        reason = proxy._error_code(full[-1].body or b"") or "backend_full"
+        reason = proxy.error_code(full[-1].body or b"") or Reason.QUEUE_FULL
         return _Saturated(reason, f"every backend tried is full ({len(full)} answered 429)", min(waits or [1]))
 
     def _key(self, pool: Pool, inbound: Inbound, tenant: Tenant) -> int | None:
@@ -340,12 +345,13 @@ class Gateway:
         if placement.degraded:
             own = headers.get("x-kvserve-degraded")
             headers["x-kvserve-degraded"] = ", ".join(placement.degraded + ([own] if own else []))
-        outcome = "degrade" if placement.degraded else "admit"
-        self.metrics.admission.labels(pool.label, outcome, "ladder" if placement.degraded else "none").inc()
+        if placement.degraded:
+            self.metrics.record_admission(pool.label, Outcome.DEGRADE, LADDER)
+        else:
+            self.metrics.record_admission(pool.label, Outcome.ADMIT, None)
         if upstream.status != 200 or upstream.body is not None:
             backend.on_done(sent)
             return _bytes_response(upstream.body or b"", upstream.status, headers)
-        self.quotas.on_start(request_id)
         if inbound.stream:
             return self._stream(request_id, upstream, sent, headers)
         try:
@@ -400,7 +406,7 @@ class Gateway:
         body.pop("stream", None)
         body.pop("stream_options", None)
         batch = self.batches.create_from_request(tenant.name, inbound.path, body, request_id)
-        self.metrics.admission.labels(placement.pool.label, "defer", "ladder").inc()
+        self.metrics.record_admission(placement.pool.label, DEFER, LADDER)
         # The line runs later as it came (no cap, its own model): the lane, not the rungs before, is the change.
         headers = {"x-kvserve-degraded": f"deferred={batch['id']}", "location": f"/v1/batches/{batch['id']}"}
         return JSONResponse(batch, status_code=202, headers=headers)

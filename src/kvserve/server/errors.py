@@ -23,16 +23,13 @@ from starlette.responses import Response
 
 from kvserve.admission.decision import AdmissionDecision, Reason
 from kvserve.contract import InvalidParameter
-from kvserve.server.protocol import error_body
+from kvserve.server.protocol import error_body, refusal_type
 
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import Finished
 
 # pydantic error types that mean "the body is not an object at all".
 _NOT_AN_OBJECT = {"model_attributes_type", "model_type", "dict_type"}
-# Rejection reasons that mean "you are over your share" (429
-# rate_limited) rather than "the system is full" (429 overloaded).
-RATE_LIMITED_REASONS = {Reason.TENANT_QUOTA}
 # What a request that ended before its first token was told, by abort reason.
 _ENDED_MESSAGES = {Reason.QUEUE_TIMEOUT: "the request waited too long in the queue and did not start",
                    Reason.DEADLINE: "the request could not start before its deadline",
@@ -61,11 +58,8 @@ def rejection(decision: AdmissionDecision) -> APIError:
     headers = {}
     if decision.retry_after_s is not None:
         headers["Retry-After"] = str(decision.retry_after_s)
-    if decision.status == 400:
-        type_ = "invalid_request_error"
-    else:
-        type_ = "rate_limited" if decision.reason in RATE_LIMITED_REASONS else "overloaded"
-    return APIError(decision.status, decision.message, type_, decision.reason, None, headers)
+    return APIError(decision.status, decision.message, refusal_type(decision.status, decision.reason),
+                    decision.reason, None, headers)
 
 
 def ended_without_output(done: Finished) -> APIError:

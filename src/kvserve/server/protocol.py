@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
+from kvserve.admission.decision import Reason
 from kvserve.contract import InvalidParameter, SamplingParams
 
 # Priority classes: lower = more urgent; OpenAI's "flex" tier is a deferred
@@ -197,6 +198,19 @@ def _require(ok: bool, param: str, message: str) -> None:
 
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "code": code, "param": param}}
+
+
+# Refusals that are the client's own limit (not the server's load).
+RATE_LIMITED_REASONS = frozenset({Reason.TENANT_QUOTA})
+
+
+def refusal_type(status: int, reason: str | None) -> str:
+    """The OpenAI error `type` of an admission refusal (the server's and the
+    gateway's): 400 is the request's own fault, a tenant's quota a rate
+    limit, anything else the service's load."""
+    if status == 400:
+        return "invalid_request_error"
+    return "rate_limited" if reason in RATE_LIMITED_REASONS else "overloaded"
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict:

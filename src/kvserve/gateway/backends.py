@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvserve.fleet.backend_state import DrainMeter
+from kvserve.fleet.backend_state import DrainMeter, blocks_needed
 from kvserve.gateway.config import BackendConfig, BreakerConfig
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
@@ -172,9 +172,9 @@ class BackendView:
     @property
     def kv_usage(self) -> float:
         usage = self.scrape.kv_usage if self.scrape else 0.0
-        blocks, size = self.num_kv_blocks, self.block_size
-        if blocks and size:
-            usage += -(-self._sent_tokens_since_scrape // size) / blocks
+        blocks, sent_blocks = self.num_kv_blocks, blocks_needed(self, self._sent_tokens_since_scrape)
+        if blocks and sent_blocks:
+            usage += sent_blocks / blocks
         return min(1.0, usage)
 
     @property

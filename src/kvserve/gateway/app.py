@@ -99,14 +99,13 @@ def _openai_routes(app: FastAPI, gateway: Gateway) -> None:
 
 def _completion_endpoint(gateway: Gateway, kind: str):
     async def endpoint(request: Request):
-        await _limit_body(request, gateway.config.max_body_bytes)
-        return await gateway.create(kind, request)
+        body = await _read_body(request, gateway.config.max_body_bytes)
+        return await gateway.create(kind, request, body)
     return endpoint
 
 
-async def _limit_body(request: Request, max_bytes: int) -> None:
-    """413 past the limit, on the declared length and on what arrives; the
-    body is then cached on the request for the handler."""
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The body; 413 past the limit, on the declared length and on what arrives."""
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > max_bytes):
         raise GatewayError(413, f"request body exceeds {max_bytes} bytes", code="body_too_large")
@@ -116,7 +115,7 @@ async def _limit_body(request: Request, max_bytes: int) -> None:
         if size > max_bytes:
             raise GatewayError(413, f"request body exceeds {max_bytes} bytes", code="body_too_large")
         chunks.append(chunk)
-    request._body = b"".join(chunks)  # what Request.body() returns from now on
+    return b"".join(chunks)
 
 
 def _batch_routes(app: FastAPI, gateway: Gateway) -> None:

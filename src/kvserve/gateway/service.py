@@ -150,13 +150,13 @@ class Gateway:
                                "authentication_error", "invalid_api_key")
         return tenant
 
-    async def create(self, kind: str, http_request) -> Response:
-        """Serve one /v1/completions or /v1/chat/completions request."""
+    async def create(self, kind: str, http_request, body: bytes) -> Response:
+        """Serve one /v1/completions or /v1/chat/completions request (its body read)."""
         if self.draining:
             raise GatewayError(503, "the gateway is shutting down", "unavailable", "shutting_down")
         headers = http_request.headers
         tenant = self.authenticate(headers.get("authorization"))
-        inbound = read_inbound(kind, http_request.url.path, await http_request.body(), tenant.priority, headers)
+        inbound = read_inbound(kind, http_request.url.path, body, tenant.priority, headers)
         pool = await self._pool_of(inbound)
         request_id = f"gw-{self._id_prefix}{next(self._ids):08x}"
         max_tokens = inbound.requested_max_tokens or self.config.admission.default_max_tokens

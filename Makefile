@@ -25,7 +25,7 @@ install: $(BIN)/activate $(KVQ_LIB)
 # No -march: the AVX2 path is chosen at run time, so the build runs on any x86-64
 # (and other CPUs get the portable C path).
 $(KVQ_LIB): csrc/kvq_kernels.c
-	$(CC) -O3 -fPIC -shared -fopenmp -Wall -Wextra -o $@ $<
+	$(CC) -O3 -fPIC -shared -fopenmp-simd -pthread -Wall -Wextra -o $@ $<
 
 serve: install
 	$(BIN)/kvserve serve $(ARGS)

@@ -4,8 +4,8 @@
  *
  * Called through ctypes (src/kvserve/model/quantized.py), which releases the
  * GIL for the whole call: the HTTP event loop keeps running while a kernel
- * computes. Threads come from OpenMP; torch's wheel ships the same libgomp
- * (soname libgomp.so.1), which is loaded first, so both share one pool.
+ * computes. Threads: the kernels' own small pool (below), not OpenMP, so the
+ * caller never waits for a helper that has not started: see "the pool".
  *
  * Weight layout ("8-row interleaved", built by quantized.py from GGUF blocks):
  * rows are taken 8 at a time (a group); for each group and each 32-wide block
@@ -28,7 +28,10 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#include <omp.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define KVQ_X86 1
@@ -96,6 +99,114 @@ int kvq_has_avx2(void) {
 
 /* 0: portable C; 2: AVX2. force_scalar != 0 pins the portable path (tests). */
 int kvq_set_isa(int force_scalar) { g_force_scalar = force_scalar; return (!g_force_scalar && kvq_has_avx2()) ? 2 : 0; }
+
+/* ---- the pool ------------------------------------------------------------ */
+
+/* A job is `num_chunks` independent chunks of work. The caller publishes it,
+ * wakes the helpers and claims chunks itself; each helper claims chunks until
+ * none is left. The caller then waits only for chunks a helper has claimed
+ * and not finished, never for a helper to show up: on a shared machine a
+ * helper whose core is taken wakes late, finds nothing to claim and sleeps
+ * again, while an OpenMP team's barrier waits for every member (measured: 2
+ * OpenMP threads at 10x the 1-thread step with the machine loaded).
+ *
+ * A claim is a CAS on `ticket` = generation << 32 | next chunk, so a helper
+ * that read an old job can never claim a chunk of a newer one; a job's
+ * context stays valid while any of its chunks is unclaimed or unfinished. */
+typedef void (*chunk_fn)(const void* ctx, int64_t chunk);
+
+#define KVQ_MAX_HELPERS 63
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t wake;
+    int num_helpers;  /* started so far; they live until the process ends */
+    pthread_t threads[KVQ_MAX_HELPERS];
+    uint32_t generation;  /* under mu */
+    chunk_fn fn;          /* the job: under mu */
+    const void* ctx;
+    int64_t num_chunks;
+    int max_helpers;      /* helpers with an index below this take part */
+    _Atomic uint64_t ticket;
+    _Atomic int64_t done;
+} g_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, {0}, 0, NULL, NULL, 0, 0, 0, 0};
+
+static int64_t claim(uint32_t generation, int64_t num_chunks) {
+    uint64_t t = atomic_load(&g_pool.ticket);
+    for (;;) {
+        if ((uint32_t)(t >> 32) != generation || (int64_t)(t & 0xffffffffu) >= num_chunks) return -1;
+        if (atomic_compare_exchange_weak(&g_pool.ticket, &t, t + 1)) return (int64_t)(t & 0xffffffffu);
+    }
+}
+
+static void run_chunks(chunk_fn fn, const void* ctx, uint32_t generation, int64_t num_chunks) {
+    for (int64_t c; (c = claim(generation, num_chunks)) >= 0;) {
+        fn(ctx, c);
+        atomic_fetch_add(&g_pool.done, 1);
+    }
+}
+
+static void* helper_main(void* arg) {
+    const int index = (int)(intptr_t)arg;
+    uint32_t seen = 0;
+    pthread_mutex_lock(&g_pool.mu);
+    seen = g_pool.generation;
+    for (;;) {
+        while (g_pool.generation == seen) pthread_cond_wait(&g_pool.wake, &g_pool.mu);
+        seen = g_pool.generation;
+        chunk_fn fn = g_pool.fn;
+        const void* ctx = g_pool.ctx;
+        const int64_t num_chunks = g_pool.num_chunks;
+        const int takes_part = index < g_pool.max_helpers;
+        pthread_mutex_unlock(&g_pool.mu);
+        if (takes_part) run_chunks(fn, ctx, seen, num_chunks);
+        pthread_mutex_lock(&g_pool.mu);
+    }
+    return NULL;
+}
+
+static void forget_helpers_after_fork(void) {  /* a forked child has none of the threads */
+    pthread_mutex_init(&g_pool.mu, NULL);
+    pthread_cond_init(&g_pool.wake, NULL);
+    g_pool.num_helpers = 0;
+}
+
+/* Run fn(ctx, c) for c < num_chunks on the caller and up to num_threads - 1
+ * helpers; returns when every chunk has finished. One caller at a time (the
+ * engine's thread; a second caller would wait on the mutex). */
+static pthread_mutex_t g_caller = PTHREAD_MUTEX_INITIALIZER;
+static void parallel_chunks(int num_threads, int64_t num_chunks, chunk_fn fn, const void* ctx) {
+    int helpers = num_threads - 1 < num_chunks - 1 ? num_threads - 1 : (int)num_chunks - 1;
+    if (helpers > KVQ_MAX_HELPERS) helpers = KVQ_MAX_HELPERS;
+    if (helpers <= 0) {
+        for (int64_t c = 0; c < num_chunks; c++) fn(ctx, c);
+        return;
+    }
+    pthread_mutex_lock(&g_caller);
+    pthread_mutex_lock(&g_pool.mu);
+    static int atfork_set = 0;
+    if (!atfork_set) { pthread_atfork(NULL, NULL, forget_helpers_after_fork); atfork_set = 1; }
+    while (g_pool.num_helpers < helpers) {
+        if (pthread_create(&g_pool.threads[g_pool.num_helpers], NULL, helper_main,
+                           (void*)(intptr_t)g_pool.num_helpers) != 0) break;
+        pthread_detach(g_pool.threads[g_pool.num_helpers]);
+        g_pool.num_helpers++;
+    }
+    const uint32_t generation = ++g_pool.generation;
+    g_pool.fn = fn; g_pool.ctx = ctx; g_pool.num_chunks = num_chunks; g_pool.max_helpers = helpers;
+    atomic_store(&g_pool.done, 0);
+    atomic_store(&g_pool.ticket, (uint64_t)generation << 32);
+    pthread_cond_broadcast(&g_pool.wake);
+    pthread_mutex_unlock(&g_pool.mu);
+    run_chunks(fn, ctx, generation, num_chunks);
+    /* What is left is chunks helpers hold; yield rather than spin if one was preempted. */
+    for (int spins = 0; atomic_load(&g_pool.done) < num_chunks; spins++) {
+        if (spins > 2000) sched_yield();
+#ifdef KVQ_X86
+        else __builtin_ia32_pause();
+#endif
+    }
+    pthread_mutex_unlock(&g_caller);
+}
 
 /* ---- activation quantization -------------------------------------------- */
 
@@ -177,21 +288,19 @@ static void transform_row(const void* row, int xtype, int64_t K, int xop, const 
     for (int64_t k = 0; k < K; k++) out[k] = out[k] * inv * load_x(norm_w, xtype, k);
 }
 
-static void quantize_rows(const void* x, int xtype, int64_t M, int64_t K, int64_t ldx, int xop,
-                          const void* norm_w, float eps, int8_t* q, float* d, float* s, int avx2) {
+/* One activation row transformed (xop) and quantized. */
+static void quantize_row(const void* x, int xtype, int64_t K, int64_t ldx, int xop, const void* norm_w, float eps,
+                         int64_t m, int8_t* q, float* d, float* s, int avx2) {
     const size_t esz = xtype == KVQ_BF16 ? 2 : 4;
-    #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        const void* row = (const char*)x + (size_t)m * ldx * esz;
-        int rtype = xtype;
-        float tmp[xop == KVQ_X_PLAIN ? 1 : K];
-        if (xop != KVQ_X_PLAIN) { transform_row(row, xtype, K, xop, norm_w, eps, tmp); row = tmp; rtype = KVQ_F32; }
+    const void* row = (const char*)x + (size_t)m * ldx * esz;
+    int rtype = xtype;
+    float tmp[xop == KVQ_X_PLAIN ? 1 : K];
+    if (xop != KVQ_X_PLAIN) { transform_row(row, xtype, K, xop, norm_w, eps, tmp); row = tmp; rtype = KVQ_F32; }
 #ifdef KVQ_X86
-        if (avx2) { quantize_row_avx2(row, rtype, K, q + m * K, d + m * (K / QK), s + m * (K / QK)); continue; }
+    if (avx2) { quantize_row_avx2(row, rtype, K, q + m * K, d + m * (K / QK), s + m * (K / QK)); return; }
 #endif
-        (void)avx2;
-        quantize_row_scalar(row, rtype, K, q + m * K, d + m * (K / QK), s + m * (K / QK));
-    }
+    (void)avx2;
+    quantize_row_scalar(row, rtype, K, q + m * K, d + m * (K / QK), s + m * (K / QK));
 }
 
 /* ---- the matmul: portable path ------------------------------------------- */
@@ -338,67 +447,110 @@ static void matmul_tile(int wtype, const uint8_t* wg, int64_t nb, int64_t K, int
 
 /* ---- the public matmul ---------------------------------------------------- */
 
+typedef struct {
+    int wtype, xtype, xop, ytype, addtype, avx2;
+    const uint8_t* w;
+    int64_t N, K, nb, bb, groups, ldx, M, ldy, ldadd;
+    const void *x, *norm_w, *add;
+    float eps;
+    void* y;
+    int8_t* qa;
+    float *da, *sa;
+} matmul_job;
+
+#define KVQ_QUANT_ROWS 16  /* activation rows per chunk of the quantization job */
+#define KVQ_GROUPS 4       /* groups of 8 weight rows per chunk of the matmul job */
+
+static void quantize_chunk(const void* ctx, int64_t chunk) {
+    const matmul_job* j = ctx;
+    const int64_t m1 = (chunk + 1) * KVQ_QUANT_ROWS < j->M ? (chunk + 1) * KVQ_QUANT_ROWS : j->M;
+    for (int64_t m = chunk * KVQ_QUANT_ROWS; m < m1; m++)
+        quantize_row(j->x, j->xtype, j->K, j->ldx, j->xop, j->norm_w, j->eps, m, j->qa, j->da, j->sa, j->avx2);
+}
+
+/* A chunk's weights (KVQ_GROUPS groups, ~12 KB at K=576) stay in L1 while every
+ * activation row passes over them, 4 rows per tile. */
+static void matmul_chunk(const void* ctx, int64_t chunk) {
+    const matmul_job* j = ctx;
+    const int64_t g0 = chunk * KVQ_GROUPS, g1 = g0 + KVQ_GROUPS < j->groups ? g0 + KVQ_GROUPS : j->groups;
+    for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
+        const int MR = (int)(j->M - m0 < 4 ? j->M - m0 : 4);
+        for (int64_t g = g0; g < g1; g++)
+            matmul_tile(j->wtype, j->w + g * j->nb * j->bb, j->nb, j->K, g * NR, j->N, j->qa, j->da, j->sa, m0, MR,
+                        j->y, j->ytype, j->ldy, j->add, j->addtype, j->ldadd, j->avx2);
+    }
+}
+
+/* Scratch for the quantized activations: one buffer per calling thread, grown
+ * as needed and kept (no allocation per call). */
+static uint8_t* scratch_for(int64_t num_bytes) {
+    static __thread uint8_t* buffer = NULL;
+    static __thread int64_t capacity = 0;
+    if (num_bytes > capacity) {
+        free(buffer);
+        buffer = malloc((size_t)num_bytes);
+        capacity = buffer ? num_bytes : 0;
+    }
+    return buffer;
+}
+
 /* y[m, n] = sum_k x[m, k] * W[n, k] (+ add[m, n]) for m < M, n < N.
  * w: packed weights of N rows (padded to a multiple of 8), K inputs (K % 32 == 0).
  * x: [M, ldx] f32 or bf16, transformed per row by xop (KVQ_X_*; norm_w: [K] for RMS_NORM;
- * SWIGLU reads 2K columns); y: [M, ldy]; add: [M, ldadd] or NULL.
- * scratch: at least M * K + 8 * M * K / 32 bytes (the quantized activations). */
-void kvq_matmul(int wtype, const uint8_t* w, int64_t N, int64_t K, const void* x, int xtype, int64_t ldx,
-                int xop, const void* norm_w, float eps,
-                int64_t M, void* y, int ytype, int64_t ldy, const void* add, int addtype, int64_t ldadd,
-                uint8_t* scratch) {
-    const int64_t nb = K / QK, bb = kvq_block_bytes(wtype), groups = (N + NR - 1) / NR;
-    int8_t* qa = (int8_t*)scratch;
-    float* da = (float*)(scratch + M * K);
-    float* sa = da + M * nb;
-    const int avx2 = !g_force_scalar && kvq_has_avx2();
-    /* Groups of rows in chunks small enough to keep a chunk's weights in L1 while
-     * every activation row passes over them; dynamic, so a thread preempted on a
-     * shared machine holds up one chunk, not a static half of the work. */
-    const int64_t chunk = 4;
-    #pragma omp parallel
-    {
-        quantize_rows(x, xtype, M, K, ldx, xop, norm_w, eps, qa, da, sa, avx2);  /* ends in a barrier */
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
-            const int64_t g1 = g0 + chunk < groups ? g0 + chunk : groups;
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {
-                const int MR = (int)(M - m0 < 4 ? M - m0 : 4);
-                for (int64_t g = g0; g < g1; g++)
-                    matmul_tile(wtype, w + g * nb * bb, nb, K, g * NR, N, qa, da, sa, m0, MR, y, ytype, ldy,
-                                add, addtype, ldadd, avx2);
+ * SWIGLU reads 2K columns); y: [M, ldy]; add: [M, ldadd] or NULL; num_threads:
+ * the caller and num_threads - 1 helpers of the pool. Returns 0, or -1 when
+ * the scratch for the quantized activations cannot be allocated (nothing written). */
+int kvq_matmul(int wtype, const uint8_t* w, int64_t N, int64_t K, const void* x, int xtype, int64_t ldx,
+               int xop, const void* norm_w, float eps,
+               int64_t M, void* y, int ytype, int64_t ldy, const void* add, int addtype, int64_t ldadd,
+               int num_threads) {
+    const int64_t nb = K / QK;
+    uint8_t* scratch = scratch_for(M * K + 8 * M * nb);
+    if (scratch == NULL) return -1;
+    matmul_job j = {wtype, xtype, xop, ytype, addtype, !g_force_scalar && kvq_has_avx2(), w, N, K, nb,
+                    kvq_block_bytes(wtype), (N + NR - 1) / NR, ldx, M, ldy, ldadd, x, norm_w, add, eps, y,
+                    (int8_t*)scratch, NULL, NULL};
+    j.da = (float*)(scratch + M * K);
+    j.sa = j.da + M * nb;
+    parallel_chunks(num_threads, (M + KVQ_QUANT_ROWS - 1) / KVQ_QUANT_ROWS, quantize_chunk, &j);
+    parallel_chunks(num_threads, (j.groups + KVQ_GROUPS - 1) / KVQ_GROUPS, matmul_chunk, &j);
+    return 0;
+}
+
+typedef struct { int wtype, ytype; const uint8_t* w; int64_t K; const int64_t* rows; void* y; } rows_job;
+
+static void dequantize_row(const void* ctx, int64_t i) {
+    const rows_job* j = ctx;
+    const int wtype = j->wtype, ytype = j->ytype;
+    const int64_t K = j->K, nb = K / QK, bb = kvq_block_bytes(wtype);
+    const uint8_t* w = j->w;
+    const int64_t* rows = j->rows;
+    void* y = j->y;
+    const int64_t g = rows[i] / NR, r = rows[i] % NR;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = w + (g * nb + b) * bb;
+        float dw = fp16_to_f32(((const uint16_t*)blk)[r]);
+        for (int j = 0; j < QK; j++) {
+            float v;
+            if (wtype == KVQ_Q8_0) {
+                v = dw * (float)((const int8_t*)(blk + 16))[(j / 4) * 32 + 4 * r + j % 4];
+            } else {
+                const uint8_t* nib = blk + (wtype == KVQ_Q4_1 ? 32 : 16);
+                int jj = j % 16, byte = nib[(jj / 4) * 32 + 4 * r + jj % 4];
+                int q = j < 16 ? (byte & 0xf) : (byte >> 4);
+                v = wtype == KVQ_Q4_1 ? dw * (float)q + fp16_to_f32(((const uint16_t*)blk)[8 + r])
+                                      : dw * (float)(q - 8);
             }
+            store_y(y, ytype, i * K + b * QK + j, v);
         }
     }
 }
 
-int64_t kvq_scratch_bytes(int64_t M, int64_t K) { return M * K + 8 * M * (K / QK); }
-
 /* Rows `rows[i]` of packed W dequantized into y[i, :K] (an embedding lookup). */
 void kvq_dequantize_rows(int wtype, const uint8_t* w, int64_t K, const int64_t* rows, int64_t num_rows,
-                         void* y, int ytype) {
-    const int64_t nb = K / QK, bb = kvq_block_bytes(wtype);
-    #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < num_rows; i++) {
-        const int64_t g = rows[i] / NR, r = rows[i] % NR;
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t* blk = w + (g * nb + b) * bb;
-            float dw = fp16_to_f32(((const uint16_t*)blk)[r]);
-            for (int j = 0; j < QK; j++) {
-                float v;
-                if (wtype == KVQ_Q8_0) {
-                    v = dw * (float)((const int8_t*)(blk + 16))[(j / 4) * 32 + 4 * r + j % 4];
-                } else {
-                    const uint8_t* nib = blk + (wtype == KVQ_Q4_1 ? 32 : 16);
-                    int jj = j % 16, byte = nib[(jj / 4) * 32 + 4 * r + jj % 4];
-                    int q = j < 16 ? (byte & 0xf) : (byte >> 4);
-                    v = wtype == KVQ_Q4_1 ? dw * (float)q + fp16_to_f32(((const uint16_t*)blk)[8 + r])
-                                          : dw * (float)(q - 8);
-                }
-                store_y(y, ytype, i * K + b * QK + j, v);
-            }
-        }
-    }
+                         void* y, int ytype, int num_threads) {
+    rows_job j = {wtype, ytype, w, K, rows, y};
+    parallel_chunks(num_rows < 64 ? 1 : num_threads, num_rows, dequantize_row, &j);
 }
 
 /* ---- the rest of a decoder step ------------------------------------------- */
@@ -407,28 +559,41 @@ void kvq_dequantize_rows(int wtype, const uint8_t* w, int64_t K, const int64_t* 
  * k and v written to the layer's paged cache at their slots.
  * qkv: [T, (H + 2 Hkv) * D] (row stride ldq); cos/sin: [max_pos, D] of qkv's dtype;
  * cache: [slots, 2, Hkv, D] of qkv's dtype. */
+typedef struct {
+    void* qkv; int dtype; int64_t ldq; const int64_t *positions, *slots; const void *cos, *sin; void* cache;
+    int64_t H, Hkv, D;
+} rope_job;
+
+static void rope_token(const void* ctx, int64_t t) {
+    const rope_job* j = ctx;
+    void* qkv = j->qkv;
+    const int dtype = j->dtype;
+    const int64_t ldq = j->ldq, H = j->H, Hkv = j->Hkv, D = j->D, half = D / 2;
+    const int64_t* slots = j->slots;
+    const void *cos = j->cos, *sin = j->sin;
+    void* cache = j->cache;
+    const int64_t pos = j->positions[t];
+    for (int64_t head = 0; head < H + Hkv; head++) {
+        const int64_t base = t * ldq + head * D;
+        float x[D];
+        for (int64_t i = 0; i < D; i++) x[i] = load_x(qkv, dtype, base + i);
+        for (int64_t i = 0; i < D; i++) {
+            float rot = i < half ? -x[i + half] : x[i - half];
+            float c = load_x(cos, dtype, pos * D + i), s = load_x(sin, dtype, pos * D + i);
+            store_y(qkv, dtype, base + i, x[i] * c + rot * s);
+        }
+    }
+    const size_t esz = dtype == KVQ_BF16 ? 2 : 4;
+    char* dst = (char*)cache + (size_t)slots[t] * 2 * Hkv * D * esz;
+    const char* src = (const char*)qkv + (size_t)(t * ldq + H * D) * esz;
+    memcpy(dst, src, (size_t)2 * Hkv * D * esz);  /* k then v, as the cache's [2, Hkv, D] */
+}
+
 void kvq_rope_write_kv(void* qkv, int dtype, int64_t T, int64_t ldq, const int64_t* positions,
                        const void* cos, const void* sin, const int64_t* slots, void* cache,
-                       int64_t H, int64_t Hkv, int64_t D) {
-    const int64_t half = D / 2;
-    #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t pos = positions[t];
-        for (int64_t head = 0; head < H + Hkv; head++) {
-            const int64_t base = t * ldq + head * D;
-            float x[D];
-            for (int64_t i = 0; i < D; i++) x[i] = load_x(qkv, dtype, base + i);
-            for (int64_t i = 0; i < D; i++) {
-                float rot = i < half ? -x[i + half] : x[i - half];
-                float c = load_x(cos, dtype, pos * D + i), s = load_x(sin, dtype, pos * D + i);
-                store_y(qkv, dtype, base + i, x[i] * c + rot * s);
-            }
-        }
-        const size_t esz = dtype == KVQ_BF16 ? 2 : 4;
-        char* dst = (char*)cache + (size_t)slots[t] * 2 * Hkv * D * esz;
-        const char* src = (const char*)qkv + (size_t)(t * ldq + H * D) * esz;
-        memcpy(dst, src, (size_t)2 * Hkv * D * esz);  /* k then v, as the cache's [2, Hkv, D] */
-    }
+                       int64_t H, int64_t Hkv, int64_t D, int num_threads) {
+    rope_job j = {qkv, dtype, ldq, positions, slots, cos, sin, cache, H, Hkv, D};
+    parallel_chunks(T < 32 ? 1 : num_threads, T, rope_token, &j);  /* a decode step's few tokens: no helpers */
 }
 
 /* Attention of one query per sequence over its whole cached context (decode):
@@ -491,21 +656,31 @@ static void attend_one(const float* qs, int64_t group, int64_t D, const char* ca
         for (int64_t i = 0; i < D; i++) acc[g * D + i] /= den[g];
 }
 
+typedef struct {
+    const void* q; int dtype; int64_t ldq; const void* cache; const int64_t *block_table, *context_lens;
+    int64_t max_blocks, block_size, H, Hkv, D; float scale; void* out;
+} attention_job;
+
+static void attend_chunk(const void* ctx, int64_t item) {  /* one (sequence, KV head) */
+    const attention_job* j = ctx;
+    const int64_t b = item / j->Hkv, kvh = item % j->Hkv, group = j->H / j->Hkv, D = j->D;
+    float qs[KVQ_MAX_GROUP * KVQ_MAX_D], acc[KVQ_MAX_GROUP * KVQ_MAX_D];
+    if (group < 1 || D < 1) return;  /* refused by the caller; tells the compiler qs is written */
+    for (int64_t i = 0; i < group * D; i++) qs[i] = load_x(j->q, j->dtype, b * j->ldq + kvh * group * D + i) * j->scale;
+    attend_one(qs, group, D, (const char*)j->cache, j->dtype, j->Hkv, kvh, j->block_table + b * j->max_blocks,
+               j->block_size, j->context_lens[b], acc);
+    for (int64_t i = 0; i < group * D; i++) store_y(j->out, j->dtype, b * j->H * D + kvh * group * D + i, acc[i]);
+}
+
 /* 0 when the shapes fit the kernel's fixed buffers, else -1 (nothing written). */
 int kvq_decode_attention(const void* q, int dtype, int64_t ldq, const void* cache, const int64_t* block_table,
                          int64_t max_blocks, const int64_t* context_lens, int64_t block_size, int64_t B,
-                         int64_t H, int64_t Hkv, int64_t D, float scale, void* out) {
-    const int64_t group = H / Hkv;
-    if (group > KVQ_MAX_GROUP || D > KVQ_MAX_D) return -1;
-    #pragma omp parallel for schedule(dynamic, 1) collapse(2)
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
-            float qs[KVQ_MAX_GROUP * KVQ_MAX_D], acc[KVQ_MAX_GROUP * KVQ_MAX_D];
-            for (int64_t i = 0; i < group * D; i++) qs[i] = load_x(q, dtype, b * ldq + kvh * group * D + i) * scale;
-            attend_one(qs, group, D, (const char*)cache, dtype, Hkv, kvh, block_table + b * max_blocks, block_size,
-                       context_lens[b], acc);
-            for (int64_t i = 0; i < group * D; i++) store_y(out, dtype, b * H * D + kvh * group * D + i, acc[i]);
-        }
-    }
+                         int64_t H, int64_t Hkv, int64_t D, float scale, void* out, int num_threads) {
+    if (H / Hkv > KVQ_MAX_GROUP || D > KVQ_MAX_D) return -1;
+    attention_job j = {q, dtype, ldq, cache, block_table, context_lens, max_blocks, block_size, H, Hkv, D, scale, out};
+    /* Below ~1,000 positions in all, one (sequence, head) takes microseconds: no helpers. */
+    int64_t positions = 0;
+    for (int64_t b = 0; b < B; b++) positions += context_lens[b];
+    parallel_chunks(positions * Hkv < 1024 ? 1 : num_threads, B * Hkv, attend_chunk, &j);
     return 0;
 }

@@ -1,7 +1,9 @@
 """kvserve: an LLM inference server whose unit of capacity is the KV cache."""
 
-from kvserve import compiled
+from kvserve import compiled, cpu_threads
 
+# Before torch loads libgomp, which reads its wait policy once (kvserve/cpu_threads.py).
+cpu_threads.set_openmp_defaults()
 # Before anything imports a module that may be compiled: decides whether its
 # extension module or its source serves it (kvserve/compiled/).
 compiled.activate()

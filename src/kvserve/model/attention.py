@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvserve.model.quantized import activation_type, require_kernels
+from kvserve.model.quantized import activation_type, kernel_threads, require_kernels
 
 log = logging.getLogger(__name__)
 
@@ -105,13 +105,13 @@ def native_attention(qkv: Tensor, kv_cache: Tensor, cos: Tensor, sin: Tensor, me
     h, hkv, d = num_heads, num_kv_heads, head_dim
     lib.kvq_rope_write_kv(qkv.data_ptr(), dtype, num_tokens, qkv.stride(0), meta.positions.data_ptr(),
                           cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), kv_cache.data_ptr(),
-                          h, hkv, d)
+                          h, hkv, d, kernel_threads())
     if meta.is_decode_only and meta.block_table is not None:
         out = torch.empty((num_tokens, h * d), dtype=qkv.dtype)
         status = lib.kvq_decode_attention(qkv.data_ptr(), dtype, qkv.stride(0), kv_cache.data_ptr(),
                                           meta.block_table.data_ptr(), meta.block_table.shape[1],
                                           meta.context_lens.data_ptr(), meta.block_size, meta.num_seqs,
-                                          h, hkv, d, scale, out.data_ptr())
+                                          h, hkv, d, scale, out.data_ptr(), kernel_threads())
         if status == 0:
             return out  # else: a head shape past the kernel's buffers: SDPA below
     q = qkv[:, :h * d].view(num_tokens, h, d)

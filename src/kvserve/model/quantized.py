@@ -1,7 +1,7 @@
 """Weights that stay quantized in memory (GGUF Q8_0 / Q4_0 / Q4_1) and the
 CPU kernels that compute on them (csrc/kvq_kernels.c, built by `make install`
 into kvserve/model/_kvq.so and called through ctypes, which releases the GIL
-for the whole call).
+for the whole call; their threads: `kernel_threads`).
 
 `QuantizedWeight` holds one [N, K] weight in the kernels' 8-row interleaved
 layout (the same bytes per block as the GGUF file, reordered once at load)
@@ -54,17 +54,18 @@ def _library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(LIBRARY_PATH))  # CDLL, not PyDLL: calls release the GIL
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     f32 = ctypes.c_float
+    # The last argument of each parallel kernel: how many threads (the caller
+    # and pool helpers) it may use; kernel_threads() gives torch's count.
     lib.kvq_matmul.argtypes = [i32, ptr, i64, i64, ptr, i32, i64, i32, ptr, f32,
-                               i64, ptr, i32, i64, ptr, i32, i64, ptr]
-    lib.kvq_matmul.restype = None
-    lib.kvq_rope_write_kv.argtypes = [ptr, i32, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
+                               i64, ptr, i32, i64, ptr, i32, i64, i32]
+    lib.kvq_matmul.restype = i32
+    lib.kvq_rope_write_kv.argtypes = [ptr, i32, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
     lib.kvq_rope_write_kv.restype = None
-    lib.kvq_decode_attention.argtypes = [ptr, i32, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, ptr]
+    lib.kvq_decode_attention.argtypes = [ptr, i32, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, ptr,
+                                         i32]
     lib.kvq_decode_attention.restype = i32
-    lib.kvq_dequantize_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32]
+    lib.kvq_dequantize_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32, i32]
     lib.kvq_dequantize_rows.restype = None
-    lib.kvq_scratch_bytes.argtypes = [i64, i64]
-    lib.kvq_scratch_bytes.restype = i64
     lib.kvq_set_isa.argtypes = [i32]
     lib.kvq_set_isa.restype = i32
     lib.kvq_set_isa(int(os.environ.get("KVSERVE_KVQ_PORTABLE", "0") == "1"))
@@ -81,6 +82,15 @@ def require_kernels() -> ctypes.CDLL:
         raise KernelUnavailable(f"the quantized CPU kernels are not built ({LIBRARY_PATH} is missing); "
                                 "run `make install` (needs gcc), or use --quantization none")
     return lib
+
+
+def kernel_threads() -> int:
+    """Threads a kernel call may use: torch's intra-op count (`--torch-threads`,
+    torch.set_num_threads), read on every call so one setting governs both and
+    a call from any thread (the server's engine thread) gets it. The kernels'
+    pool never makes the caller wait for a helper that has not started
+    (csrc/kvq_kernels.c), so a count above the free cores degrades gently."""
+    return torch.get_num_threads()
 
 
 def set_portable(portable: bool) -> str:
@@ -188,13 +198,15 @@ class QuantizedWeight:
             xop = _XOP_SWIGLU
         if m == 0:
             return out
-        scratch = torch.empty(lib.kvq_scratch_bytes(m, k), dtype=torch.uint8)
-        lib.kvq_matmul(QUANT_TYPES[self.qtype][0], self.packed.data_ptr(), self.out_features, k,
-                       x.data_ptr(), _ACT_TYPES[x.dtype], x.stride(0), xop,
-                       None if norm_weight is None else norm_weight.data_ptr(), eps, m,
-                       out.data_ptr(), _ACT_TYPES[out.dtype], out.stride(0),
-                       None if add is None else add.data_ptr(), 0 if add is None else _ACT_TYPES[add.dtype],
-                       0 if add is None else add.stride(0), scratch.data_ptr())
+        status = lib.kvq_matmul(QUANT_TYPES[self.qtype][0], self.packed.data_ptr(), self.out_features, k,
+                                x.data_ptr(), _ACT_TYPES[x.dtype], x.stride(0), xop,
+                                None if norm_weight is None else norm_weight.data_ptr(), eps, m,
+                                out.data_ptr(), _ACT_TYPES[out.dtype], out.stride(0),
+                                None if add is None else add.data_ptr(),
+                                0 if add is None else _ACT_TYPES[add.dtype], 0 if add is None else add.stride(0),
+                                kernel_threads())
+        if status != 0:
+            raise MemoryError(f"the quantized matmul could not allocate {m} x {k} quantized activations")
         return out
 
     def rows(self, indices: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -205,7 +217,7 @@ class QuantizedWeight:
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.out_features):
             raise IndexError(f"row index out of range [0, {self.out_features})")
         lib.kvq_dequantize_rows(QUANT_TYPES[self.qtype][0], self.packed.data_ptr(), self.in_features,
-                                idx.data_ptr(), idx.numel(), out.data_ptr(), _ACT_TYPES[dtype])
+                                idx.data_ptr(), idx.numel(), out.data_ptr(), _ACT_TYPES[dtype], kernel_threads())
         return out
 
     def dequantize(self) -> Tensor:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from kvserve import cpu_threads
 from kvserve.model_facts import memory
 from kvserve.model_facts.config import ModelConfig
 from kvserve.model.device import resolve_device, resolve_dtype
@@ -79,6 +80,9 @@ class ModelRunner:
         log.info("resident weights %.1f MiB (%s); KV cache %.1f MiB = %d blocks of %d tokens",
                  self.weight_bytes / 2**20, formats, self.num_blocks * kv_bytes_per_block(
                      config, block_size, self.dtype) / 2**20, self.num_blocks, block_size)
+        if self.device.type == "cpu":
+            log.info("CPU threads: %d (torch and the quantized kernels); %s", torch.get_num_threads(),
+                     cpu_threads.wait_policy_note())
         # Decode steps replay CUDA graphs on a GPU; a CPU gains nothing from them.
         self.decode_graphs = None if enforce_eager or self.device.type != "cuda" else DecodeGraphs(
             self.model, self.kv_caches, block_size=block_size, scratch_slot=self.scratch_slot,

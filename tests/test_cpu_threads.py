@@ -1,0 +1,111 @@
+"""The CPU thread setup: the OpenMP wait policy kvserve fills in before torch
+loads libgomp (kvserve/cpu_threads.py), and the quantized kernels' own pool
+taking torch's thread count from whichever thread calls them."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kvserve import cpu_threads
+from kvserve.model import quantized
+from kvserve.model.quantized import QuantizedWeight
+
+
+def test_defaults_fill_in_only_what_the_user_left_unset():
+    env: dict[str, str] = {}
+    assert cpu_threads.set_openmp_defaults(env) == {"GOMP_SPINCOUNT": "10000"}
+    assert env == {"GOMP_SPINCOUNT": "10000"}
+    for user in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "300000"}):
+        env = dict(user)
+        assert cpu_threads.set_openmp_defaults(env) == {}
+        assert env == user  # the user's choice stands, nothing added beside it
+
+
+def _libgomp_settings(code: str, **env: str) -> str:
+    """stderr of a fresh interpreter running `code` with libgomp printing the
+    settings it loaded with (OMP_DISPLAY_ENV)."""
+    child_env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    child_env.update(OMP_DISPLAY_ENV="VERBOSE", **env)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=child_env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stderr
+
+
+KVSERVE_FIRST = """
+    import kvserve, torch
+    from kvserve import cpu_threads
+    torch.ones(512, 512).sum()
+    print(cpu_threads.wait_policy_note(), file=__import__("sys").stderr)
+"""
+
+
+def test_libgomp_loads_with_kvserves_policy_when_kvserve_comes_first():
+    stderr = _libgomp_settings(KVSERVE_FIRST)
+    assert "GOMP_SPINCOUNT = '10000'" in stderr
+    assert "OpenMP wait policy: GOMP_SPINCOUNT=10000 (kvserve's default)" in stderr
+
+
+def test_an_exported_policy_wins_and_a_late_import_is_reported():
+    stderr = _libgomp_settings(KVSERVE_FIRST, OMP_WAIT_POLICY="PASSIVE")
+    assert "GOMP_SPINCOUNT = '0'" in stderr  # PASSIVE: no spinning at all
+    assert "OMP_WAIT_POLICY=PASSIVE (from the environment)" in stderr
+    stderr = _libgomp_settings(KVSERVE_FIRST.replace("import kvserve, torch", "import torch, kvserve"))
+    assert "GOMP_SPINCOUNT = '300000'" in stderr  # libgomp's own default
+    assert "torch was imported before kvserve" in stderr
+
+
+needs_kernels = pytest.mark.skipif(not quantized.kernels_available(), reason="quantized kernels not built")
+
+
+@needs_kernels
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPUs to tell thread counts apart")
+def test_kernels_take_torchs_thread_count_from_any_calling_thread():
+    """From a thread that never ran a torch op (the server's engine thread),
+    a kernel call uses torch's count: 1 starts no helper thread, 3 starts two."""
+    code = """
+        import os, threading, torch
+        from kvserve.model.quantized import QuantizedWeight
+        w = QuantizedWeight.from_float("q4_1", torch.randn(4096, 576))
+        x = torch.randn(8, 576)
+        def new_threads_of_a_call():  # counted inside the calling thread (not counting it)
+            seen = []
+            def call():
+                before = len(os.listdir("/proc/self/task"))
+                w.matmul(x)
+                seen.append(len(os.listdir("/proc/self/task")) - before)
+            t = threading.Thread(target=call); t.start(); t.join()
+            return seen[0]
+        torch.set_num_threads(1)
+        one = new_threads_of_a_call()
+        torch.set_num_threads(3)
+        print(one, new_threads_of_a_call())
+    """
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": "4"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0", "2"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_1"])
+def test_results_do_not_depend_on_the_thread_count(qtype):
+    """Each output element is one chunk's work, summed in the same order
+    whoever runs it: 1, 2 or 5 threads give the same bits, call after call."""
+    gen = torch.Generator().manual_seed(0)
+    weight = QuantizedWeight.from_float(qtype, torch.randn(1000, 576, generator=gen))
+    x = torch.randn(37, 576, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 5, 2):
+            torch.set_num_threads(threads)
+            results.append([weight.matmul(x), weight.matmul(x[:1]), weight.rows(torch.arange(0, 1000, 7))])
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))

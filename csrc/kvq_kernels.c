@@ -164,7 +164,11 @@ static void* helper_main(void* arg) {
     return NULL;
 }
 
+/* Held by the one caller that is running a job with helpers. */
+static pthread_mutex_t g_caller = PTHREAD_MUTEX_INITIALIZER;
+
 static void forget_helpers_after_fork(void) {  /* a forked child has none of the threads */
+    pthread_mutex_init(&g_caller, NULL);
     pthread_mutex_init(&g_pool.mu, NULL);
     pthread_cond_init(&g_pool.wake, NULL);
     g_pool.num_helpers = 0;
@@ -173,7 +177,6 @@ static void forget_helpers_after_fork(void) {  /* a forked child has none of the
 /* Run fn(ctx, c) for c < num_chunks on the caller and up to num_threads - 1
  * helpers; returns when every chunk has finished. One caller at a time (the
  * engine's thread; a second caller would wait on the mutex). */
-static pthread_mutex_t g_caller = PTHREAD_MUTEX_INITIALIZER;
 static void parallel_chunks(int num_threads, int64_t num_chunks, chunk_fn fn, const void* ctx) {
     int helpers = num_threads - 1 < num_chunks - 1 ? num_threads - 1 : (int)num_chunks - 1;
     if (helpers > KVQ_MAX_HELPERS) helpers = KVQ_MAX_HELPERS;

@@ -25,6 +25,7 @@
  * Two code paths with the same results up to float summation order: AVX2
  * (+FMA, F16C), chosen at run time where the CPU has it, and portable C.
  */
+#define _GNU_SOURCE  /* pthread_setname_np */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -148,6 +149,7 @@ static void run_chunks(chunk_fn fn, const void* ctx, uint32_t generation, int64_
 static void* helper_main(void* arg) {
     const int index = (int)(intptr_t)arg;
     uint32_t seen = 0;
+    pthread_setname_np(pthread_self(), "kvq-pool");  /* named in top -H, ps -L (and counted by the tests) */
     pthread_mutex_lock(&g_pool.mu);
     seen = g_pool.generation;
     for (;;) {

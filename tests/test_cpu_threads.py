@@ -66,24 +66,22 @@ needs_kernels = pytest.mark.skipif(not quantized.kernels_available(), reason="qu
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPUs to tell thread counts apart")
 def test_kernels_take_torchs_thread_count_from_any_calling_thread():
     """From a thread that never ran a torch op (the server's engine thread),
-    a kernel call uses torch's count: 1 starts no helper thread, 3 starts two."""
+    a kernel call uses torch's count: 1 starts no pool helper, 3 starts two."""
     code = """
         import os, threading, torch
         from kvserve.model.quantized import QuantizedWeight
         w = QuantizedWeight.from_float("q4_1", torch.randn(4096, 576))
         x = torch.randn(8, 576)
-        def new_threads_of_a_call():  # counted inside the calling thread (not counting it)
-            seen = []
-            def call():
-                before = len(os.listdir("/proc/self/task"))
-                w.matmul(x)
-                seen.append(len(os.listdir("/proc/self/task")) - before)
-            t = threading.Thread(target=call); t.start(); t.join()
-            return seen[0]
+        def helpers():
+            return sum(open(f"/proc/self/task/{t}/comm").read().strip() == "kvq-pool"
+                       for t in os.listdir("/proc/self/task"))
+        def helpers_after_a_call_from_a_new_thread():
+            t = threading.Thread(target=w.matmul, args=(x,)); t.start(); t.join()
+            return helpers()
         torch.set_num_threads(1)
-        one = new_threads_of_a_call()
+        one = helpers_after_a_call_from_a_new_thread()
         torch.set_num_threads(3)
-        print(one, new_threads_of_a_call())
+        print(one, helpers_after_a_call_from_a_new_thread())
     """
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "4"})

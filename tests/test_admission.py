@@ -387,7 +387,7 @@ def test_a_flooding_tenant_does_not_lengthen_another_tenants_wait():
     other_wait, _ = ctl.expected_wait_s(req(tenant="quiet"))
     assert other_wait < flooder_wait
     assert ctl.check(req(tenant="quiet")).admitted
-    assert ctl.check(req(tenant="flood")).reason in ("kv_cache", "queue_full")
+    assert ctl.check(req(tenant="flood")).reason in ("kv_cache", "batch_slots")
 
 
 def test_observed_waits_longer_than_predicted_raise_later_predictions():
@@ -427,7 +427,7 @@ def test_refusal_for_any_size_never_refuses_what_check_would_admit():
         if early is not None:
             num_early += 1
             assert not full.admitted and (early.status, full.status) == (429, 429)
-            assert early.reason in ("kv_cache", "queue_full") and 1 <= early.retry_after_s
+            assert early.reason in ("kv_cache", "batch_slots") and 1 <= early.retry_after_s
         if full.admitted:
             ctl.admit(size, full)
         clock.now += 0.01
@@ -472,3 +472,57 @@ def test_queued_and_started_counts_follow_starts_and_finishes():
     # Work ahead counts the started requests' blocks: a big request now
     # waits for them to drain, as before any finish.
     assert ctl.expected_wait_s(req(prompt=16 * 995, max_tokens=16))[0] > ctl.expected_wait_s(req())[0]
+
+
+def _saturated(max_num_seqs=2, **config):
+    """A controller whose running batch is full and whose drain is measured
+    (one request finishes every 0.5 s)."""
+    ctl, clock = make(num_blocks=1000, block_size=16, max_num_seqs=max_num_seqs, max_queue_wait_s=1.0, **config)
+    for _ in range(12):
+        ctl.observe_step(max_num_seqs, 0, 0.05)
+    for _ in range(6):
+        r = req()
+        ctl.decide(r)
+        ctl.on_start(r.request_id)
+        clock.now += 0.5
+        ctl.on_finish(r.request_id, 32)
+    while ctl.decide(req()).admitted:  # fill the batch and the queue up to the wait limit
+        pass
+    return ctl, clock
+
+
+def test_a_refused_burst_is_told_to_come_back_one_drain_interval_after_another():
+    ctl, _ = _saturated()
+    burst = [ctl.decide(req()) for _ in range(12)]
+    assert all(d.status == 429 for d in burst)
+    advised = [d.retry_after_s for d in burst]
+    assert advised == sorted(advised), advised  # later in the line, later back
+    # ~2 requests drain per second: about that many are sent back per second.
+    assert max(advised.count(s) for s in set(advised)) <= 3, advised
+    assert advised[-1] - advised[0] >= 4, advised
+
+
+def test_early_refusals_and_full_refusals_share_the_return_slots():
+    ctl, _ = _saturated()
+    early = [ctl.refusal_for_any_size() for _ in range(4)]
+    full = [ctl.decide(req()) for _ in range(4)]
+    advised = [d.retry_after_s for d in early + full]
+    assert advised == sorted(advised) and advised[-1] > advised[0], advised
+
+
+def test_refusals_name_what_binds():
+    ctl, _ = _saturated(max_num_seqs=2)  # plenty of blocks: the batch slots bind
+    assert ctl.decide(req()).reason == "batch_slots"
+    short, _ = make(num_blocks=1000, max_queue_len=2)
+    for _ in range(2):
+        admit(short, req())
+    assert short.check(req()).reason == "queue_full"
+
+
+def test_deadline_refusals_say_a_positive_limit():
+    ctl, clock = _saturated()
+    soon = ctl.decide(req(deadline=clock.now + 0.004))
+    past = ctl.decide(req(deadline=clock.now - 0.5))
+    assert (soon.reason, past.reason) == ("deadline", "deadline")
+    assert "4.0 ms left before the request's deadline" in soon.message, soon.message
+    assert "deadline passed" in past.message and "-" not in past.message, past.message

@@ -92,9 +92,11 @@ def test_health_and_ready():
         srv.serving.draining = True
         ready = httpx.get(srv.base_url + "/ready")
         assert ready.status_code == 503 and ready.json()["error"]["code"] == "not_ready"
+        assert int(ready.headers["retry-after"]) >= 1
         refused = httpx.post(srv.base_url + "/v1/completions",
                              json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        assert int(refused.headers["retry-after"]) >= 1
         srv.serving.draining = False
 
 

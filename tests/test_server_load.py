@@ -43,7 +43,7 @@ def test_overload_burst_gets_429_with_retry_after_and_admitted_requests_meet_ttf
         assert refused and admitted
         for o in refused:
             assert o.retry_after is not None and int(o.retry_after) >= 1
-            assert o.error["type"] == "overloaded" and o.error["code"] in ("kv_cache", "queue_full")
+            assert o.error["type"] == "overloaded" and o.error["code"] in ("kv_cache", "batch_slots", "queue_full")
         ttfts = [o.ttft_s for o in admitted]
         assert max(ttfts) <= TTFT_TARGET_S, sorted(ttfts)
         assert all(o.finish_reason == "length" for o in admitted)  # nobody hung or was cut
@@ -101,6 +101,9 @@ def test_request_that_cannot_start_in_time_gets_503_even_when_streaming():
         assert outs[0].status == 200
         assert [o.status for o in outs[1:4]] == [503] * 3
         assert {o.error["code"] for o in outs[1:4]} == {"queue_timeout"}
+        # Each is told when to come back, staggered: not all in one instant.
+        advised = [int(o.retry_after) for o in outs[1:4]]
+        assert min(advised) >= 1 and len(set(advised)) > 1, advised
         # The deadline is shorter than the expected wait: refused at the door, or aborted at it.
         assert (outs[4].status, outs[4].error["code"]) in ((429, "deadline"), (503, "deadline"))
         assert wait_until(lambda: kv_idle(srv.base_url), 5)
@@ -229,7 +232,7 @@ def test_a_burst_right_after_ready_is_refused_not_queued_behind_a_cold_guess():
         refused = [o for o in outs if o.status == 429]
         assert len(admitted) + len(refused) == len(outs), {o.status for o in outs}
         assert admitted and len(refused) >= 30, (len(admitted), len(refused))
-        assert all(int(o.retry_after) >= 1 and o.error["code"] in ("kv_cache", "queue_full") for o in refused)
+        assert all(int(o.retry_after) >= 1 and o.error["code"] in ("kv_cache", "batch_slots") for o in refused)
         assert max(o.ttft_s for o in admitted) <= 1.0, sorted(o.ttft_s for o in admitted)
         assert all(o.finish_reason == "length" for o in admitted)
 
@@ -258,13 +261,13 @@ def test_overload_refusals_skip_tokenizing_but_size_errors_stay_400():
 
         refused, never_fits, too_long = asyncio.run(_with_client(srv.base_url, clients))
         assert [o.status for o in refused] == [429] * 5
-        assert all(o.error["code"] == "queue_full" and int(o.retry_after) >= 1 for o in refused)
+        assert all(o.error["code"] == "batch_slots" and int(o.retry_after) >= 1 for o in refused)
         # Refused before tokenizing; the size-dependent 400s still tokenize and say why.
         assert encoded == ["a" * 20, "c" * 100, "d" * 600], [t[:3] for t in encoded]
         assert (never_fits.status, never_fits.error["code"]) == (400, "never_fits")
         assert (too_long.status, too_long.error["param"]) == (400, "prompt")
         samples = scrape(srv.base_url)
-        assert metric(samples, "kvserve_admission_decisions_total", outcome="reject", reason="queue_full") == 5
+        assert metric(samples, "kvserve_admission_decisions_total", outcome="reject", reason="batch_slots") == 5
 
 
 async def _with_client(base_url: str, fn):

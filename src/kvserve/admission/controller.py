@@ -28,6 +28,7 @@ from kvserve.admission.busy_rate import BusyRate
 from kvserve.admission.decision import (AdmissionDecision, AdmissionRequest, Outcome, Reason, reject,
                                         whole_seconds)
 from kvserve.admission.quotas import RetryBudget, TenantLimits, TenantQuotas
+from kvserve.admission.retry_after import ReturnSlots
 from kvserve.admission.step_limits import StepLimiter, StepLimits
 from kvserve.admission.step_time import StepTimeModel
 from kvserve.config import AdmissionConfig
@@ -37,6 +38,10 @@ from kvserve.config import AdmissionConfig
 SHORT_WAIT_S: Final = 0.05
 CALIBRATION_WEIGHT: Final = 0.1  # EWMA weight of one observed start
 MAX_WAIT_CORRECTION: Final = 4.0
+# A request refused for its expected wait is told to come back when that
+# wait would be this share of its class's limit: at exactly the limit it
+# would be refused again about half the time.
+RETURN_AT_LIMIT_SHARE: Final = 0.5
 
 
 @dataclass(slots=True)
@@ -85,6 +90,7 @@ class AdmissionController:
         # Calibration of expected_wait_s against the waits actually observed.
         self._wait_ratio = 1.0
         self._start_latency_s = 0.0
+        self.return_slots = ReturnSlots(clock)
 
     # ---- questions -------------------------------------------------------
 
@@ -119,7 +125,7 @@ class AdmissionController:
 
     def expected_wait_s(self, request: AdmissionRequest, max_tokens: int | None = None) -> tuple[float, Reason]:
         """Expected seconds until `request` can start, and what binds it
-        (KV_CACHE, or QUEUE_FULL for the running-batch slots)."""
+        (KV_CACHE, or BATCH_SLOTS for the running batch's slots)."""
         now = self.clock()
         max_tokens = request.max_tokens if max_tokens is None else max_tokens
         need = self.blocks_needed(request.num_prompt_tokens, max_tokens, request.num_cached_tokens)
@@ -131,7 +137,7 @@ class AdmissionController:
         # queue and refuse beyond it.
         kv_wait = _wait_for(excess_blocks, self._block_drain_rate(now), self.num_blocks)
         seq_wait = _wait_for(excess_seqs, self._request_drain_rate(now), running_cap)
-        wait_s, binding = (kv_wait, Reason.KV_CACHE) if kv_wait >= seq_wait else (seq_wait, Reason.QUEUE_FULL)
+        wait_s, binding = (kv_wait, Reason.KV_CACHE) if kv_wait >= seq_wait else (seq_wait, Reason.BATCH_SLOTS)
         return self._calibrated(wait_s), binding
 
     def _calibrated(self, model_wait_s: float) -> float:
@@ -198,7 +204,8 @@ class AdmissionController:
         return decision
 
     def check(self, request: AdmissionRequest) -> AdmissionDecision:
-        """Decide without changing any state."""
+        """Decide without changing any state but a refusal's return slot
+        (`retry_after_s`)."""
         need = self.blocks_needed(request.num_prompt_tokens, request.max_tokens, request.num_cached_tokens)
         if need > self.num_blocks:
             return reject(400, Reason.NEVER_FITS, None, (
@@ -223,9 +230,10 @@ class AdmissionController:
         queue) and the expected wait of a request needing zero KV blocks,
         a lower bound on any real request's wait (more blocks never wait
         less). The caller must rule out `check`'s size-dependent 400s itself.
-        The reason may say `queue_full` where `check` would have said
+        The reason may say `batch_slots` where `check` would have said
         `kv_cache` (with zero blocks the batch slots bind), and Retry-After
-        is the lower bound's."""
+        is the lower bound's. The only state it changes is a refusal's
+        return slot (`retry_after_s`)."""
         now = self.clock()
         probe = AdmissionRequest("", 0, 0, 0, priority, tenant, is_retry, deadline)
         refusal = self.quotas.refusal(tenant) or self.retry_budget.refusal(is_retry)
@@ -238,7 +246,13 @@ class AdmissionController:
         return self._wait_refusal(probe, wait_s, binding, limit_s) if wait_s > limit_s else None
 
     def _queue_full(self) -> AdmissionDecision:
-        return reject(429, Reason.QUEUE_FULL, 1, f"the waiting queue is full ({self.config.max_queue_len})")
+        """The queue is at its length limit: come back when the measured
+        drain has taken the requests over it (and this one's place) out."""
+        rate = self._request_drain_rate(self.clock())
+        over = self.num_queued - self.config.max_queue_len + 1
+        earliest_s = over / rate if rate else 1.0
+        return reject(429, Reason.QUEUE_FULL, self.retry_after_s(earliest_s),
+                      f"the waiting queue is full ({self.config.max_queue_len} requests)")
 
     def _wait_limit_s(self, request: AdmissionRequest, now: float) -> float:
         limit_s = self.max_wait_s(request.priority)
@@ -251,10 +265,22 @@ class AdmissionController:
         reason = Reason.DEADLINE if request.deadline is not None and limit_s < self.max_wait_s(request.priority) \
             else binding
         # Unbounded means nothing is measured yet: it will be within seconds.
-        retry_s = whole_seconds(wait_s - limit_s) if math.isfinite(wait_s) else 1
-        return reject(429, reason, retry_s,
-                      f"expected queue wait {_fmt_s(wait_s)} exceeds the limit of {limit_s:.2f} s "
-                      f"({binding.replace('_', ' ')})", wait_s)
+        earliest_s = wait_s - RETURN_AT_LIMIT_SHARE * max(0.0, limit_s) if math.isfinite(wait_s) else 1.0
+        retry_s = self.retry_after_s(earliest_s)
+        return reject(429, reason, retry_s, _wait_message(wait_s, limit_s, reason, binding), wait_s)
+
+    def retry_after_s(self, earliest_s: float) -> int:
+        """Retry-After for a request refused now that cannot get in for
+        `earliest_s` seconds: its own return slot, one request's drain time
+        after the one handed out before it (retry_after.py). Takes the slot."""
+        rate = self._request_drain_rate(self.clock())
+        return self.return_slots.take(earliest_s, 1.0 / rate if rate else 0.0)
+
+    def expected_wait_for_any_size_s(self, priority: int = 0, tenant: str = "default") -> float:
+        """The expected wait of a request of this class needing no KV blocks:
+        a lower bound on any real request's (more blocks never wait less)."""
+        wait_s, _ = self.expected_wait_s(AdmissionRequest("", 0, 0, 0, priority, tenant))
+        return wait_s
 
     def _check_wait(self, request: AdmissionRequest, now: float) -> AdmissionDecision:
         limit_s = self._wait_limit_s(request, now)
@@ -364,5 +390,19 @@ def _wait_for(excess: float, rate: float | None, cold_allowance: float) -> float
     return excess / rate if rate > 0 else math.inf
 
 
+def _wait_message(wait_s: float, limit_s: float, reason: Reason, binding: Reason) -> str:
+    """What a wait refusal says: the expected wait against a positive limit,
+    and what binds (a deadline already past says so instead of a limit)."""
+    what = binding.replace("_", " ")
+    if reason == Reason.DEADLINE:
+        if limit_s <= 0:
+            return f"the request's deadline passed before it could start (expected queue wait {_fmt_s(wait_s)}, {what})"
+        return f"expected queue wait {_fmt_s(wait_s)} exceeds the {_fmt_s(limit_s)} left before the request's " \
+               f"deadline ({what})"
+    return f"expected queue wait {_fmt_s(wait_s)} exceeds the limit of {_fmt_s(limit_s)} ({what})"
+
+
 def _fmt_s(seconds: float) -> str:
-    return f"{seconds:.2f} s" if math.isfinite(seconds) else "unbounded (no measured drain)"
+    if not math.isfinite(seconds):
+        return "unbounded (no measured drain)"
+    return f"{seconds:.2f} s" if seconds >= 0.1 else f"{seconds * 1000:.1f} ms"

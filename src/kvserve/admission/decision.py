@@ -24,7 +24,8 @@ class Reason(StrEnum):
     """Why a request is refused, or ended before it started."""
 
     KV_CACHE = "kv_cache"  # the expected wait for KV blocks is over the class's limit
-    QUEUE_FULL = "queue_full"  # the waiting queue (or the running batch's slots) is full
+    QUEUE_FULL = "queue_full"  # the waiting queue is at its length limit (--max-queue-len)
+    BATCH_SLOTS = "batch_slots"  # the expected wait for a slot in the running batch is over the class's limit
     TENANT_QUOTA = "tenant_quota"
     RETRY_BUDGET = "retry_budget"
     NEVER_FITS = "never_fits"  # 400: the request can never fit (the cache, the tenant's tokens per minute)

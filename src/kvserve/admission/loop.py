@@ -64,6 +64,16 @@ class AdmissionLoop:
                                                                                  deadline)
         return refusal
 
+    def retry_after_s(self, earliest_s: float | None = None, priority: int = 0, tenant: str = "default") -> int:
+        """Retry-After for a request turned away now (a 503: shutting down,
+        a queue timeout, not ready) that cannot be served for `earliest_s`
+        seconds, by default the expected wait of its class: its own
+        staggered return slot (admission/retry_after.py)."""
+        if earliest_s is None:
+            earliest_s = self.controller.expected_wait_for_any_size_s(priority, tenant)
+        retry_s: int = self.controller.retry_after_s(earliest_s)
+        return retry_s
+
     # ---- around each step --------------------------------------------------
 
     def before_step(self, num_running: int, abort: Callable[[str, Reason], None]) -> StepLimits:

@@ -61,6 +61,7 @@ COMPILED_MODULES = (
     "kvserve.admission.decision",
     "kvserve.admission.busy_rate",
     "kvserve.admission.quotas",
+    "kvserve.admission.retry_after",
     "kvserve.admission.step_time",
     "kvserve.admission.step_limits",
     "kvserve.admission.controller",

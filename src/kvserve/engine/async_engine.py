@@ -169,6 +169,15 @@ class AsyncEngine:
         with self.admission_lock:
             return self.admission.refusal_for_any_size(priority, tenant, is_retry, deadline)
 
+    def retry_after_s(self, earliest_s: float | None = None, priority: int = 0,
+                      tenant: str = "default") -> int | None:
+        """Retry-After for a request turned away now (AdmissionLoop.retry_after_s);
+        None without admission."""
+        if self.admission is None:
+            return None
+        with self.admission_lock:
+            return self.admission.retry_after_s(earliest_s, priority, tenant)
+
     @property
     def num_streams(self) -> int:
         return len(self.streams)

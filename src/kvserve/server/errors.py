@@ -62,14 +62,16 @@ def rejection(decision: AdmissionDecision) -> APIError:
                     decision.reason, None, headers)
 
 
-def ended_without_output(done: Finished) -> APIError:
+def ended_without_output(done: Finished, retry_after_s: int | None = None) -> APIError:
     """The error of an admitted request that ended before its first token
-    (headers are not sent yet, so it still gets an honest status)."""
+    (headers are not sent yet, so it still gets an honest status); a 503
+    carries `retry_after_s` when given."""
     if done.error is not None:
         return APIError(400, done.error, code="engine_refused")
     reason = done.abort_reason or "abort"
+    headers = None if retry_after_s is None else {"Retry-After": str(retry_after_s)}
     return APIError(503, _ENDED_MESSAGES.get(reason, f"the request was aborted ({reason})"),
-                    "unavailable", reason)
+                    "unavailable", reason, headers=headers)
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,

@@ -66,7 +66,7 @@ async def health(request: Request):
 async def ready(request: Request):
     serving = _serving(request)
     if not serving.ready:
-        raise APIError(503, "not ready (starting, shutting down or engine failed)", "unavailable", "not_ready")
+        raise serving.not_ready_error()
     return {"status": "ready"}
 
 

@@ -202,17 +202,35 @@ class Serving:
         if decision is not None and not decision.admitted:
             raise rejection(decision)
         if isinstance(first, Finished) and first.num_output_tokens == 0:
-            raise ended_without_output(first)
+            raise self._ended_without_output(first, p)
         return decision, first
 
     def _refuse_if_unavailable(self) -> None:
         if self.draining:
-            # Retry-After: this server will not admit anything before its drain ends.
-            retry_after_s = max(1, math.ceil(self._drain_deadline - time.monotonic()))
             raise APIError(503, "the server is shutting down", "unavailable", "shutting_down",
-                           headers={"Retry-After": str(retry_after_s)})
+                           headers={"Retry-After": str(self._retry_after_s(self._drain_left_s()))})
         if self.engine.dead is not None:
             raise APIError(503, f"the engine failed: {self.engine.dead}", "unavailable", "engine_dead")
+
+    def not_ready_error(self) -> APIError:
+        """/ready's 503: starting, shutting down, or the engine failed. While
+        starting or draining it says when to look again."""
+        if self.engine.dead is not None:
+            return APIError(503, f"not ready: the engine failed ({self.engine.dead})", "unavailable", "not_ready")
+        # Starting: warm-up takes seconds; draining: this server will not admit before its drain ends.
+        earliest_s = self._drain_left_s() if self.draining else 1.0
+        return APIError(503, "not ready (starting or shutting down)", "unavailable", "not_ready",
+                        headers={"Retry-After": str(self._retry_after_s(earliest_s))})
+
+    def _drain_left_s(self) -> float:
+        return max(0.0, self._drain_deadline - time.monotonic())
+
+    def _retry_after_s(self, earliest_s: float | None = None, priority: int = 0, tenant: str = "default") -> int:
+        """Retry-After for a request turned away now, staggered with every
+        other refusal (admission/retry_after.py); `earliest_s` None: the
+        class's expected wait."""
+        retry_after_s = self.engine.retry_after_s(earliest_s, priority, tenant)
+        return max(1, math.ceil(earliest_s or 0.0)) if retry_after_s is None else retry_after_s
 
     def _refuse_early(self, request_class: RequestClass) -> None:
         """429 before tokenizing when admission would refuse any request of
@@ -222,6 +240,15 @@ class Serving:
         if decision is not None:
             self.metrics.record_admission(decision.outcome, decision.reason)
             raise rejection(decision)
+
+    def _ended_without_output(self, done: Finished, p: PreparedRequest) -> APIError:
+        """A 503 for a request that ended before its first token, with when
+        to come back: the class's expected wait (a queue timeout, a
+        deadline), what is left of the drain (shutdown)."""
+        if done.error is not None:
+            return ended_without_output(done)
+        earliest_s = self._drain_left_s() if done.abort_reason == "shutdown" else None
+        return ended_without_output(done, self._retry_after_s(earliest_s, p.priority, p.tenant.name))
 
     def _fits_cache(self, num_prompt_tokens: int, max_tokens: int) -> bool:
         controller = self.admission.controller

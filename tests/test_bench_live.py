@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvserve import cli
-from tests.server_helpers import MODEL_NAME, live_server
+from tests.server_helpers import MODEL_NAME, live_server, slow_steps, tiny_core
 
 
 def _server_successes(report: dict) -> float:
@@ -65,3 +65,28 @@ def test_spawn_runs_against_the_default_model(tmp_path):
     outcomes = report["summary"]["outcomes"]
     assert outcomes["success"] + outcomes["rejected"] == 4 and outcomes["success"] >= 1
     assert _server_successes(report) == outcomes["success"]
+
+
+def test_server_slo_counters_and_bench_goodput_agree_with_cancellations(tmp_path):
+    # Steps slowed to >= 50 ms: each request runs >= 1 s, so every cancel
+    # (0.2-0.6 s after sending) lands while its request is in flight.
+    core = slow_steps(tiny_core(max_num_seqs=16), 0.05)
+    with live_server(core, max_queue_wait_s=30.0, ttft_slo_s=30.0, tpot_slo_s=5.0) as server:
+        rc = cli.main([
+            "bench", "--base-url", server.base_url, "--model", MODEL_NAME,
+            "--workload", "prompt=uniform:min=8,max=16;output=uniform:min=20,max=20",
+            "--rate", "20", "--num-requests", "12", "--cancel-rate", "0.4", "--cancel-after", "0.2,0.6",
+            "--slo", "ttft=30,tpot=5", "--timeout", "90", "--out", str(tmp_path),
+            "--metrics-interval", "0.25", "--no-progress", "--seed", "5"])
+    assert rc == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    summary = report["summary"]
+    outcomes = summary["outcomes"]
+    assert outcomes["cancelled"] >= 1 and outcomes["success"] >= 1 and outcomes["rejected"] == 0, outcomes
+    # Every request that ended has a verdict: the cancelled ones as their own result.
+    assert _counter_sum(report, "kvserve_slo_requests_total", 'slo="both"') == \
+        outcomes["success"] + outcomes["cancelled"]
+    assert _counter_sum(report, "kvserve_slo_requests_total", 'slo="both"', 'result="cancelled"') == \
+        outcomes["cancelled"]
+    # Goodput read off the server is the client's.
+    assert _counter_sum(report, "kvserve_slo_requests_total", 'slo="both"', 'result="met"') == summary["num_good"]

@@ -85,6 +85,20 @@ def test_histogram_buckets_and_slo_counters_from_timestamps():
     assert value('vllm:request_success_total{finished_reason="stop",model_name="m"}') == 1
 
 
+def test_slo_counters_count_aborted_and_cancelled_requests_as_their_own_result():
+    metrics = ServerMetrics("m", ttft_slo_s=0.5, tpot_slo_s=0.05)
+    started = RequestTimestamps(arrival=1.0, queued=1.0, scheduled=1.01, first_token=1.05,
+                                token_times=[1.05, 1.07], finished=1.2)
+    never_started = RequestTimestamps(arrival=2.0, queued=2.0, finished=3.0)
+    metrics.record_finished(started, 4, 2, "abort", cancelled=True)
+    metrics.record_finished(never_started, 4, 0, "abort")
+    text = metrics.render().decode()
+    for slo in ("ttft", "tpot", "both"):
+        assert f'kvserve_slo_requests_total{{model_name="m",result="cancelled",slo="{slo}"}} 1.0' in text
+        assert f'kvserve_slo_requests_total{{model_name="m",result="aborted",slo="{slo}"}} 1.0' in text
+    assert 'result="met"' not in text and 'result="missed"' not in text
+
+
 def test_health_and_ready():
     with live_server(tiny_core()) as srv:
         assert httpx.get(srv.base_url + "/health").status_code == 200

@@ -88,7 +88,9 @@ class ServerMetrics:
                                            "Requests aborted by the client side (disconnect, stalled reader).",
                                            ["reason"])
         self.slo = self._counter("kvserve_slo_requests",
-                                 "Finished requests inside / outside the TTFT and TPOT targets.",
+                                 "Every admitted request that ended, by target (ttft|tpot|both) and result: "
+                                 "met, missed, cancelled (the client left), aborted (the server ended it "
+                                 "early: queue timeout, deadline, shutdown, engine error).",
                                  ["slo", "result"])
         # Export unlabelled-by-event counters at 0 from the start, as vLLM does.
         for counter in (self.prompt_tokens, self.generation_tokens, self.preemptions,
@@ -115,20 +117,29 @@ class ServerMetrics:
     # ---- recording ---------------------------------------------------------
 
     def record_finished(self, timestamps: RequestTimestamps, num_prompt_tokens: int,
-                        num_output_tokens: int, finish_reason: str) -> None:
-        """One finished (or aborted) request."""
+                        num_output_tokens: int, finish_reason: str, cancelled: bool = False) -> None:
+        """One finished (or aborted) request; `cancelled`: aborted because
+        the client left. Its SLO result is counted whatever ended it."""
         labels = {"model_name": self.model_name}
         self.prompt_tokens.labels(**labels).inc(num_prompt_tokens)
         self.generation_tokens.labels(**labels).inc(num_output_tokens)
         self.success.labels(finished_reason=finish_reason, **labels).inc()
-        ts = timestamps
+        lat = self._record_latency(timestamps)
+        if finish_reason == "abort":
+            self.record_slo_result("cancelled" if cancelled else "aborted")
+        elif lat.ttft_s is None:
+            self.record_slo_result("missed")  # ended normally without a token: no first token in time
+        else:
+            self._record_slo(lat.ttft_s, lat.tpot_s)
+
+    def _record_latency(self, ts: RequestTimestamps):
         lat = derive_latency(ts.arrival, [(t, 1) for t in ts.token_times], ts.finished, ts.scheduled)
         if lat.e2e_s is not None:
             self.e2e.observe(lat.e2e_s)
         if lat.queue_s is not None:
             self.queue.observe(lat.queue_s)
         if lat.ttft_s is None:
-            return
+            return lat
         self.ttft.observe(lat.ttft_s)
         for gap_s in lat.itl_s:
             self.itl.observe(gap_s)
@@ -137,8 +148,13 @@ class ServerMetrics:
         if ts.scheduled is not None:
             self.prefill.observe(ts.token_times[0] - ts.scheduled)
         self.decode.observe(ts.token_times[-1] - ts.token_times[0])
-        if finish_reason != "abort":
-            self._record_slo(lat.ttft_s, lat.tpot_s)
+        return lat
+
+    def record_slo_result(self, result: str) -> None:
+        """The same result for every target: a request that ended without
+        being judged on its latencies (cancelled, aborted)."""
+        for slo in ("ttft", "tpot", "both"):
+            self.slo.labels(model_name=self.model_name, slo=slo, result=result).inc()
 
     def _record_slo(self, ttft_s: float, tpot_s: float | None) -> None:
         ttft_ok = ttft_s <= self.ttft_slo_s

@@ -141,11 +141,14 @@ class Serving:
                                            else min(tokens, self.max_num_batched_tokens))
 
     def _on_finished(self, done: Finished) -> None:
-        if done.abort_reason in CLIENT_ABORTS:
+        cancelled = done.abort_reason in CLIENT_ABORTS
+        if cancelled:
             self.metrics.record_cancellation(done.abort_reason)
         if done.error is None:
             self.metrics.record_finished(done.timestamps, done.num_prompt_tokens, done.num_output_tokens,
-                                         done.finish_reason)
+                                         done.finish_reason, cancelled)
+        else:  # the engine refused or failed it after admission
+            self.metrics.record_slo_result("aborted")
 
     # ---- requests ----------------------------------------------------------
 

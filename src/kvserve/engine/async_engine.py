@@ -51,6 +51,8 @@ from kvserve.scheduler.scheduler import SchedulerStats
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # how long an idle engine thread sleeps between command checks
+# The abort_reason of every request the engine had when it failed.
+ENGINE_FAILED = "engine_failed"
 
 
 @dataclass(frozen=True)
@@ -338,8 +340,12 @@ class AsyncEngine:
             pass
 
     def _fail_all(self) -> None:
+        """Event loop, once the engine thread died: every stream it had (in
+        the failed step, waiting, or not yet decided) ends with the error;
+        `add` refuses from now on, so no stream is left without an end."""
         for rid, stream in list(self.streams.items()):
-            done = Finished(rid, "abort", 0, RequestTimestamps(arrival=0.0), error=f"engine failed: {self.dead}")
+            done = Finished(rid, "abort", 0, RequestTimestamps(arrival=0.0), abort_reason=ENGINE_FAILED,
+                            error=f"engine failed: {self.dead}")
             stream.finished = done
             stream.put(done)
         self.streams.clear()

@@ -23,6 +23,7 @@ from starlette.responses import Response
 
 from kvserve.admission.decision import AdmissionDecision, Reason
 from kvserve.contract import InvalidParameter
+from kvserve.engine.async_engine import ENGINE_FAILED
 from kvserve.server.protocol import error_body, refusal_type
 
 if TYPE_CHECKING:
@@ -62,10 +63,18 @@ def rejection(decision: AdmissionDecision) -> APIError:
                     decision.reason, None, headers)
 
 
+def engine_failed(done: Finished) -> APIError:
+    """The error of a request the engine had when it failed (the server is
+    unhealthy now: an orchestrator restarts it)."""
+    return APIError(503, f"the request failed: {done.error}", "unavailable", "engine_dead")
+
+
 def ended_without_output(done: Finished, retry_after_s: int | None = None) -> APIError:
     """The error of an admitted request that ended before its first token
     (headers are not sent yet, so it still gets an honest status); a 503
     carries `retry_after_s` when given."""
+    if done.abort_reason == ENGINE_FAILED:
+        return engine_failed(done)
     if done.error is not None:
         return APIError(400, done.error, code="engine_refused")
     reason = done.abort_reason or "abort"

@@ -166,7 +166,11 @@ class Serving:
         request = self.core.new_request(prepared.prompt_token_ids, prepared.params, request_id=prepared.request_id,
                                         arrival_time=prepared.arrival, priority=prepared.priority,
                                         tenant=tenant.name, deadline=prepared.deadline)
-        stream = self.engine.add(request, prepared.is_retry)
+        try:
+            stream = self.engine.add(request, prepared.is_retry)
+        except RuntimeError:  # the engine failed since the check above
+            self._refuse_if_unavailable()
+            raise
         watcher = asyncio.create_task(self._abort_on_disconnect(http_request, prepared.request_id))
         try:
             decision, first = await self._first_output(stream, prepared)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 
-from kvserve.engine.async_engine import Finished, RequestStream
+from kvserve.engine.async_engine import ENGINE_FAILED, Finished, RequestStream
 from kvserve.server import protocol
+from kvserve.server.errors import engine_failed
 from kvserve.server.prepare import PreparedRequest
 
 
@@ -23,6 +24,8 @@ async def collect(shape: protocol.ResponseShape, stream: RequestStream, first, p
         if logprobs is not None:
             logprobs.extend(_new_logprobs(item))
         item = await stream.next()
+    if item.abort_reason == ENGINE_FAILED:
+        raise engine_failed(item)  # nothing is sent yet: an honest status
     text = last.text if last is not None else ""
     num_out = len(last.token_ids) if last is not None else 0
     return shape.full(text, item.finish_reason, logprobs, protocol.usage(p.num_prompt_tokens, num_out, _cached(last)))
@@ -60,6 +63,11 @@ async def sse(shape: protocol.ResponseShape, stream: RequestStream, first, p: Pr
             if end is not None:
                 break
             pending = [await stream.next()]
+        if end.abort_reason == ENGINE_FAILED:  # the status is sent: the error goes in the stream
+            error = engine_failed(end)
+            yield protocol.sse(protocol.error_body(error.message, error.type, error.code))
+            yield protocol.SSE_DONE
+            return
         if last is None or not last.finished:  # aborted mid-stream: say so
             yield shape.chunk(None, end.finish_reason, None, with_usage_field=p.include_usage)
         if p.include_usage:

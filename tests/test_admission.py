@@ -526,3 +526,15 @@ def test_deadline_refusals_say_a_positive_limit():
     assert (soon.reason, past.reason) == ("deadline", "deadline")
     assert "4.0 ms left before the request's deadline" in soon.message, soon.message
     assert "deadline passed" in past.message and "-" not in past.message, past.message
+
+
+def test_a_loose_tpot_target_does_not_lift_the_running_cap_past_the_ttft_target():
+    # Each decoding sequence costs 50 ms of step: with --tpot-slo 1000 the TPOT
+    # target allows any batch, but a 64-sequence step (3.2 s) would put every
+    # arrival's first token past the 2 s TTFT target.
+    ctl, _ = make(num_blocks=1000, max_num_seqs=64, tpot_slo_s=1000.0, ttft_slo_s=2.0)
+    for batch in (1, 2, 4, 8, 12, 16) * 4:
+        ctl.observe_step(batch, 0, 0.01 + 0.05 * batch)
+    cap = ctl.running_cap()
+    assert 2 <= cap < 64, cap
+    assert 0.01 + 0.05 * cap <= 2.0 / 2, cap  # a step leaves most of the TTFT target to queueing and prefill

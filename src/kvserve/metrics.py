@@ -24,6 +24,9 @@ LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
                      0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 TOKEN_BUCKETS_S = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
                    0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+# Actual minus predicted queue wait: both signs, finer near 0.
+PREDICTION_ERROR_BUCKETS_S = (-10.0, -5.0, -2.0, -1.0, -0.5, -0.25, -0.1, -0.05, -0.01, 0.0, 0.01, 0.05, 0.1,
+                              0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
 STEP_KINDS = ("decode", "prefill", "mixed")
@@ -64,6 +67,14 @@ class ServerMetrics:
                                   "First scheduled to first token (s).", LATENCY_BUCKETS_S)
         self.decode = self._hist("vllm:request_decode_time_seconds",
                                  "First token to last token (s).", LATENCY_BUCKETS_S)
+        self.queue_predicted = self._hist("kvserve_queue_wait_predicted_seconds",
+                                          "Per admitted request: the queue wait admission predicted when it "
+                                          "admitted it (s); the outcome is vllm:request_queue_time_seconds.",
+                                          LATENCY_BUCKETS_S)
+        self.queue_error = self._hist("kvserve_queue_wait_prediction_error_seconds",
+                                      "Per admitted request: actual queue wait (admitted -> first scheduled) "
+                                      "minus the predicted one (s); positive = waited longer than promised.",
+                                      PREDICTION_ERROR_BUCKETS_S)
         self.step = Histogram("kvserve_engine_step_seconds",
                               "Engine step (schedule, forward pass, sampling, update) by kind: decode (decodes "
                               "only), prefill (prefill chunks only) or mixed (s).",
@@ -161,6 +172,11 @@ class ServerMetrics:
         tpot_ok = tpot_s is None or tpot_s <= self.tpot_slo_s  # one token: no decode to judge
         for slo, ok in (("ttft", ttft_ok), ("tpot", tpot_ok), ("both", ttft_ok and tpot_ok)):
             self.slo.labels(model_name=self.model_name, slo=slo, result="met" if ok else "missed").inc()
+
+    def record_queue_wait(self, predicted_s: float, actual_s: float) -> None:
+        """An admitted request started: its predicted wait beside the actual one."""
+        self.queue_predicted.observe(predicted_s)
+        self.queue_error.observe(actual_s - predicted_s)
 
     def record_step(self, num_decode_seqs: int, num_prefill_tokens: int, step_s: float) -> None:
         """One engine step's time, by what it computed. Its spread for one

@@ -19,14 +19,14 @@ call it from one thread.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
 from kvserve.admission.busy_rate import BusyRate
-from kvserve.admission.decision import (AdmissionDecision, AdmissionRequest, Outcome, Reason, reject,
-                                        whole_seconds)
+from kvserve.admission.decision import AdmissionDecision, AdmissionRequest, Outcome, QueueWait, Reason, reject
 from kvserve.admission.quotas import RetryBudget, TenantLimits, TenantQuotas
 from kvserve.admission.retry_after import ReturnSlots
 from kvserve.admission.step_limits import StepLimiter, StepLimits
@@ -54,6 +54,7 @@ class _Ticket:
     admitted_at: float
     predicted_wait_s: float | None
     started: bool = False
+    started_at: float = 0.0
 
 
 
@@ -85,8 +86,13 @@ class AdmissionController:
         self._started_blocks = 0
         self._drain_blocks = BusyRate(config.drain_window_s)
         self._drain_requests = BusyRate(config.drain_window_s)
+        # Output tokens (max_tokens) of the started requests that finished:
+        # a slot frees at a rate that depends on how long the requests
+        # holding it are, so the measured rate is scaled to the work now.
+        self._drain_tokens = BusyRate(config.drain_window_s)
         self.step_model = StepTimeModel()
-        self.step_limiter = StepLimiter(self.step_model, config.tpot_slo_s, block_size, max_num_seqs)
+        self.step_limiter = StepLimiter(self.step_model, config.tpot_slo_s, block_size, max_num_seqs,
+                                        config.ttft_slo_s)
         # Calibration of expected_wait_s against the waits actually observed.
         self._wait_ratio = 1.0
         self._start_latency_s = 0.0
@@ -137,8 +143,28 @@ class AdmissionController:
         # queue and refuse beyond it.
         kv_wait = _wait_for(excess_blocks, self._block_drain_rate(now), self.num_blocks)
         seq_wait = _wait_for(excess_seqs, self._request_drain_rate(now), running_cap)
+        if excess_seqs > 0 and math.isfinite(seq_wait):
+            # A burst starts together and frees its slots together: the
+            # fluid drain rate would promise the first free slot far too soon.
+            seq_wait = max(seq_wait, self._slot_free_wait_s(seqs_ahead - self.num_started, running_cap, now))
         wait_s, binding = (kv_wait, Reason.KV_CACHE) if kv_wait >= seq_wait else (seq_wait, Reason.BATCH_SLOTS)
         return self._calibrated(wait_s), binding
+
+    def _slot_free_wait_s(self, num_queued_ahead: int, running_cap: int, now: float) -> float:
+        """Seconds until a batch slot is free for a request behind
+        `num_queued_ahead` queued ones: each started request holds its slot
+        until its max_tokens decode steps (of the mean measured step) are
+        done, and each one ahead takes the next slot that frees."""
+        step_s = self.step_model.mean_step_s
+        if step_s is None or step_s <= 0:
+            return 0.0
+        free_at = sorted(t.started_at + t.max_tokens * step_s for t in self._tickets.values() if t.started)
+        free_at = [now] * max(0, running_cap - len(free_at)) + free_at[:running_cap]
+        heapq.heapify(free_at)
+        queued = list(self._queued.values())[:max(0, num_queued_ahead)]
+        for ticket in queued:
+            heapq.heappush(free_at, max(now, heapq.heappop(free_at)) + ticket.max_tokens * step_s)
+        return max(0.0, free_at[0] - now) if free_at else 0.0
 
     def _calibrated(self, model_wait_s: float) -> float:
         """The drain model's wait, corrected by how observed waits compared
@@ -177,7 +203,15 @@ class AdmissionController:
         return None if service_s is None else self.num_blocks / service_s
 
     def _request_drain_rate(self, now: float) -> float | None:
+        """Requests finishing per second for the work admitted now: the
+        measured rate of finished output tokens over the mean max_tokens of
+        the admitted requests (a burst of requests twice as long as the
+        ones measured frees slots half as fast)."""
         measured = self._drain_requests.rate(now)
+        tokens_rate = self._drain_tokens.rate(now)
+        if measured is not None and tokens_rate is not None and self._tickets:
+            mean_tokens = sum(t.max_tokens for t in self._tickets.values()) / len(self._tickets)
+            return tokens_rate / mean_tokens if mean_tokens > 0 else measured
         if measured is not None:
             return measured
         service_s = self._modelled_service_s()
@@ -322,18 +356,21 @@ class AdmissionController:
         self.quotas.acquire(request.request_id, request.tenant, request.num_prompt_tokens + max_tokens)
         self.retry_budget.record_admission(request.is_retry)
 
-    def on_start(self, request_id: str, started_at: float | None = None) -> None:
+    def on_start(self, request_id: str, started_at: float | None = None) -> QueueWait | None:
         """The engine scheduled it at `started_at` (default: now); the actual
-        wait calibrates the prediction."""
+        wait calibrates the prediction. Returns the prediction beside the
+        outcome (None for an unknown or already started request, or one
+        admitted without a finite prediction)."""
         ticket = self._tickets.get(request_id)
         if ticket is None or ticket.started:
-            return
+            return None
         ticket.started = True
+        ticket.started_at = self.clock() if started_at is None else started_at
         del self._queued[request_id]
         self._started_blocks += ticket.num_blocks
         predicted_s = ticket.predicted_wait_s
         if predicted_s is None or not math.isfinite(predicted_s):
-            return
+            return None
         actual_s = max(0.0, (self.clock() if started_at is None else started_at) - ticket.admitted_at)
         w = CALIBRATION_WEIGHT
         if predicted_s < SHORT_WAIT_S:
@@ -341,6 +378,7 @@ class AdmissionController:
         else:
             ratio = min(MAX_WAIT_CORRECTION, max(1 / MAX_WAIT_CORRECTION, actual_s / predicted_s))
             self._wait_ratio = (1 - w) * self._wait_ratio + w * ratio
+        return QueueWait(predicted_s, actual_s)
 
     def on_finish(self, request_id: str, num_tokens: int | None = None) -> None:
         """Release a request. num_tokens (prompt + output actually held)
@@ -353,6 +391,7 @@ class AdmissionController:
             self._started_blocks -= ticket.num_blocks
             self._drain_blocks.add(ticket.num_blocks)
             self._drain_requests.add(1.0)
+            self._drain_tokens.add(float(ticket.max_tokens))
         else:
             del self._queued[request_id]
         self.quotas.release(request_id, num_tokens)
@@ -377,6 +416,7 @@ class AdmissionController:
     def _advance(self, now: float, busy: bool) -> None:
         self._drain_blocks.advance(now, busy)
         self._drain_requests.advance(now, busy)
+        self._drain_tokens.advance(now, busy)
         self.retry_budget.advance(now, busy)
 
 

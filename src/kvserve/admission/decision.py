@@ -64,6 +64,15 @@ class AdmissionDecision:
         return self.outcome != Outcome.REJECT
 
 
+@dataclass(frozen=True, slots=True)
+class QueueWait:
+    """An admitted request's queue wait: what admission predicted when it
+    admitted it, and what happened (admitted -> first scheduled)."""
+
+    predicted_s: float
+    actual_s: float
+
+
 def reject(status: int, reason: Reason, retry_after_s: int | None, message: str,
            expected_wait_s: float | None = None) -> AdmissionDecision:
     return AdmissionDecision(Outcome.REJECT, None, status, reason, retry_after_s, expected_wait_s, message)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
-from kvserve.admission.decision import AdmissionDecision, AdmissionRequest, Reason
+from kvserve.admission.decision import AdmissionDecision, AdmissionRequest, QueueWait, Reason
 from kvserve.admission.step_limits import StepLimits
 from kvserve.contract import Request
 
@@ -90,12 +90,17 @@ class AdmissionLoop:
         limits: StepLimits = self.controller.step_limits(num_running)
         return limits
 
-    def on_scheduled(self, started_ids: Iterable[str], scheduled_at: float) -> None:
+    def on_scheduled(self, started_ids: Iterable[str], scheduled_at: float) -> list[QueueWait]:
         """The step scheduled these requests for the first time at
         `scheduled_at` (SchedulerOutput.started_ids): their queue wait is
-        over, and calibrates the next predictions."""
+        over, and calibrates the next predictions. Returns each one's
+        predicted and actual wait (for the prediction's error metric)."""
+        waits: list[QueueWait] = []
         for request_id in started_ids:
-            self.controller.on_start(request_id, scheduled_at)
+            wait: QueueWait | None = self.controller.on_start(request_id, scheduled_at)
+            if wait is not None:
+                waits.append(wait)
+        return waits
 
     def on_step_end(self, num_decode_seqs: int, num_prefill_tokens: int, step_s: float,
                     captured_graph: bool = False) -> None:

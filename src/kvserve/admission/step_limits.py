@@ -1,5 +1,6 @@
 """Step limits: the running-batch cap and the token budget of the next step
-that keep the measured step time inside the TPOT target.
+that keep the measured step time inside the TPOT target, and short enough
+for the TTFT target (a step may take at most 1 / STEPS_PER_TTFT of it).
 
 Admitting one more sequence slows every sequence already decoding, so the
 running batch is capped where the fitted decode step (step_time.py) reaches
@@ -25,6 +26,11 @@ TPOT_HEADROOM: Final = 0.9
 # without bound). At least one KV block, so each chunk completes a block the
 # prefix cache can register.
 MIN_PREFILL_CHUNK_TOKENS: Final = 16
+# A step may take at most this fraction's inverse of the TTFT target: an
+# arrival waits for the step in flight, then its prefill runs (one or more
+# chunks) before its first token comes. With a loose TPOT target (e.g.
+# 1000 s) the TTFT target is what bounds the batch.
+STEPS_PER_TTFT: Final = 4
 
 
 class StepLimits(NamedTuple):
@@ -39,11 +45,14 @@ class StepLimiter:
     """The limits of the next step, read from a step-time model (which the
     admission loop feeds) against the TPOT target."""
 
-    def __init__(self, step_model: StepTimeModel, tpot_slo_s: float, block_size: int, max_num_seqs: int) -> None:
+    def __init__(self, step_model: StepTimeModel, tpot_slo_s: float, block_size: int, max_num_seqs: int,
+                 ttft_slo_s: float = math.inf) -> None:
         self.step_model = step_model
         self.tpot_slo_s = tpot_slo_s
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
+        # The longest step the targets allow, with headroom for the fit's error.
+        self.step_budget_s = min(tpot_slo_s, ttft_slo_s / STEPS_PER_TTFT) * TPOT_HEADROOM
 
     def _decode_step_fit(self) -> tuple[StepFit | None, float | None]:
         """The decode step's fit and the mean batch it was measured at: the
@@ -56,9 +65,10 @@ class StepLimiter:
 
     def running_cap(self) -> int:
         """Largest running batch B whose predicted decode step
-        (intercept + per_decode_seq * B) fits the TPOT target with headroom;
+        (intercept + per_decode_seq * B) fits the step budget (the TPOT
+        target, or the TTFT target's share when tighter) with headroom;
         at least 1, at most max_num_seqs (also while nothing is measured)."""
-        budget_s = self.tpot_slo_s * TPOT_HEADROOM
+        budget_s = self.step_budget_s
         fit, mean_seqs = self._decode_step_fit()
         if fit is None:
             return self.max_num_seqs
@@ -87,7 +97,7 @@ class StepLimiter:
         """Prefill tokens that fit the step budget beside `num_decode_seqs`
         decodes, at least the minimum chunk; None while no prefill was
         measured or its cost does not bind (the scheduler's own budget)."""
-        budget_s = self.tpot_slo_s * TPOT_HEADROOM
+        budget_s = self.step_budget_s
         min_chunk = max(self.block_size, MIN_PREFILL_CHUNK_TOKENS)
         fit = self.step_model.fit()
         if fit is None or fit.per_prefill_token_s is None:

@@ -39,7 +39,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvserve.admission.decision import AdmissionDecision, Reason
+from kvserve.admission.decision import AdmissionDecision, QueueWait, Reason
 from kvserve.admission.loop import AdmissionLoop
 from kvserve.admission.step_limits import StepLimits
 from kvserve.contract import Request, RequestTimestamps
@@ -78,6 +78,7 @@ class StepReport:
     finished: list[Finished]
     stats: SchedulerStats | None  # after the step
     limits: StepLimits | None = None  # what admission limited the step to (None: no admission)
+    queue_waits: list[QueueWait] = field(default_factory=list)  # of the requests the step started
 
 
 @dataclass
@@ -252,9 +253,10 @@ class AsyncEngine:
         # scheduled: they end first, as in a simulated replica.
         outgrown = {r.request_id for r in result.scheduled.finished}
         finished += self._finish([o for o in result.outputs if o.request_id in outgrown])
+        queue_waits: list[QueueWait] = []
         if self.admission is not None:
             with self.admission_lock:
-                self.admission.on_scheduled(result.started_ids, result.scheduled.scheduled_at)
+                queue_waits = self.admission.on_scheduled(result.started_ids, result.scheduled.scheduled_at)
         finished += self._run_commands()  # decided as of the step's start, as the simulator does
         if self.admission is not None:
             with self.admission_lock:
@@ -262,7 +264,7 @@ class AsyncEngine:
                                            result.captured_graph)
         finished += self._finish([o for o in result.outputs if o.finished and o.request_id not in outgrown])
         self._post(result.outputs, StepReport(step_s, result.num_decode_seqs, result.num_prefill_tokens,
-                                              finished, self.core.stats(), limits))
+                                              finished, self.core.stats(), limits, queue_waits))
         return True
 
     def _before_step(self, finished: list[Finished]) -> StepLimits | None:

@@ -124,6 +124,8 @@ class Serving:
     # ---- engine events (event loop thread): metrics ---------------------------
 
     def _on_step(self, report: StepReport) -> None:
+        for wait in report.queue_waits:
+            self.metrics.record_queue_wait(wait.predicted_s, wait.actual_s)
         for done in report.finished:
             self._on_finished(done)
         self.metrics.record_step(report.num_decode_seqs, report.num_prefill_tokens, report.step_s)

@@ -28,7 +28,10 @@ def fleet(tmp_path_factory):
     keys = tmp / "keys.json"
     keys.write_text(json.dumps(KEYS))
     # 20 ms per engine step: a 40-token request lasts ~1 s, long enough to overlap in a burst.
-    backends = [tiny_backend(None, "--no-warm-up", "--step-delay", "0.02") for _ in range(2)]
+    # A generous queue-wait limit: the backends admit the burst, so what spreads it is the
+    # router (a backend's refusal re-sent to the other would spread it too, and hide a bad router).
+    backends = [tiny_backend(None, "--no-warm-up", "--step-delay", "0.02", "--max-queue-wait", "30")
+                for _ in range(2)]
     urls = [b.url for b in backends]
     least = gateway(urls, "--router", "least-loaded", "--api-keys", str(keys), "--state-dir", str(tmp / "s1"))
     affine = gateway(urls, "--router", "prefix-affinity", "--api-keys", str(keys), "--state-dir", str(tmp / "s2"))

@@ -11,6 +11,7 @@ import pytest
 from fastapi import FastAPI
 from hypothesis import HealthCheck, settings
 
+from kvserve.config import ServerConfig
 from kvserve.server.routes import router
 from kvserve.server.tenants import TenantDirectory
 from tests.server_helpers import MODEL_NAME, live_server, tiny_core
@@ -62,7 +63,10 @@ def completion(**fields):
     (completion(temperature="hot"), "temperature"),
     (completion(top_p=0), "top_p"),
     (completion(top_k=-3), "top_k"),
-    (completion(n=3), "n"),
+    (completion(n=ServerConfig().max_n + 1), "n"),
+    (completion(n=0), "n"),
+    (completion(logit_bias={"-1": 2}), "logit_bias"),
+    (completion(best_of=3), "best_of"),
     (completion(stop=["x"] * 100), "stop"),
     (completion(logprobs=99), "logprobs"),
     (completion(stream="yes please"), "stream"),

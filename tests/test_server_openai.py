@@ -7,6 +7,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from kvserve.config import ServerConfig  # noqa: E402
 from kvserve.contract import SamplingParams  # noqa: E402
 from kvserve.engine.llm import LLM  # noqa: E402
 from tests.server_helpers import MODEL_NAME, live_server, tiny_core  # noqa: E402
@@ -132,10 +133,10 @@ def test_models_lists_the_served_model(client):
     assert [m.id for m in models.data] == [MODEL_NAME]
 
 
-def test_unknown_model_is_404_and_n_above_one_is_400(client):
+def test_unknown_model_is_404_and_n_above_the_limit_is_400(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="nope", prompt="x", max_tokens=2)
     assert err.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, n=2)
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, n=ServerConfig().max_n + 1)
     assert err.value.body["param"] == "n"

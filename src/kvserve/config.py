@@ -161,6 +161,8 @@ class ServerConfig:
     auth_metrics_and_docs: with API keys, /metrics and the API docs
       (/openapi.json, /docs, /redoc) need a key too; off by default, so
       scrapers and schema tools work unchanged. /health and /ready never do.
+    max_n: the most choices (`n`) one request may ask for; each is an engine
+      request of its own, admitted and charged as such.
     """
 
     host: str = "127.0.0.1"
@@ -172,6 +174,7 @@ class ServerConfig:
     max_body_bytes: int = 4 * 2**20
     warm_up: bool = True
     auth_metrics_and_docs: bool = False
+    max_n: int = 8
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, f"port must be in 0..65535, got {self.port}")
@@ -182,3 +185,4 @@ class ServerConfig:
                f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         _check(self.max_body_bytes >= 1024,
                f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        _check(self.max_n >= 1, f"max_n must be >= 1, got {self.max_n}")

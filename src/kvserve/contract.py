@@ -304,12 +304,14 @@ class ResolvedVersions:
         extras = (self.adapter_id, self.structured_output_hash, self.tool_schema_hash)
         return "_".join([base, *(e[:6] for e in extras if e)])
 
-    def for_request(self, params: SamplingParams) -> ResolvedVersions:
-        """These versions plus what the request itself brings (its schema hash)."""
+    def for_request(self, params: SamplingParams, tool_schema_hash: str | None = None) -> ResolvedVersions:
+        """These versions plus what the request itself brings: its schema hash
+        and, when it has tools, their hash."""
         constraint = params.structured_output
         return ResolvedVersions(self.model_revision, self.tokenizer_hash, self.chat_template_hash,
                                 structured_output_hash=None if constraint is None else constraint.hash,
-                                tool_schema_hash=self.tool_schema_hash, adapter_id=self.adapter_id)
+                                tool_schema_hash=tool_schema_hash or self.tool_schema_hash,
+                                adapter_id=self.adapter_id)
 
 
 @dataclass

@@ -96,6 +96,10 @@ def add_workload_arguments(load) -> None:
     load.add_argument("--priorities", default=None,
                       help="priority mix 'priority:weight,...' (lower = more urgent); "
                            "sent as body `priority`")
+    load.add_argument("--features", default=None,
+                      help="request feature mix 'feature:weight,...' of plain, json (a json_schema "
+                           "response_format) and tools (a named tool call; chat endpoint); the report "
+                           "splits by it (by_feature)")
     load.add_argument("--prefix-groups", type=int, default=0,
                       help="number of shared-prefix groups (exercises prefix caching)")
     load.add_argument("--prefix-tokens", type=int, default=0,
@@ -188,6 +192,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError("--arrival closed needs --concurrency N")
     if args.sweep and (args.concurrency is not None or args.trace):
         raise ValueError("--sweep searches an open-loop rate: no --concurrency or --trace")
+    if args.features and "tools" in args.features and args.endpoint != "chat":
+        raise ValueError("--features with tools needs --endpoint chat (completions take no tools)")
 
 
 def _client_config(args: argparse.Namespace, base_url: str) -> ClientConfig:
@@ -244,7 +250,8 @@ def _workload(args: argparse.Namespace) -> WorkloadSpec:
         tenants=parse_weights(args.tenants) if args.tenants else (("default", 1.0),),
         priorities=parse_weights(args.priorities, int) if args.priorities else ((0, 1.0),),
         num_prefix_groups=args.prefix_groups, prefix_tokens=args.prefix_tokens,
-        prefix_share=args.prefix_share, cancel_rate=args.cancel_rate, cancel_after_s=cancel)
+        prefix_share=args.prefix_share, cancel_rate=args.cancel_rate, cancel_after_s=cancel,
+        features=parse_weights(args.features) if args.features else (("plain", 1.0),))
 
 
 def plan_requests(args: argparse.Namespace, rate_per_s: float) -> Plan:

@@ -43,6 +43,20 @@ from kvserve.latency import summarize
 
 RETRYABLE_STATUS = (429, 503)
 LAG_WARN_S = 0.005
+# The response headers that name what shaped an answer (kvserve's; another
+# server sends none and the record keeps only its system_fingerprint).
+VERSION_HEADER_PREFIX = "x-kvserve-"
+VERSION_HEADERS = ("model-revision", "tokenizer-hash", "chat-template-hash", "adapter-id",
+                   "structured-output-hash", "tool-schema-hash")
+# Requests of the "json" and "tools" features (bench.workload.REQUEST_FEATURES):
+# small bounded shapes, so any model's answer closes within a few dozen tokens.
+BENCH_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "confidence"],
+                "properties": {"answer": {"type": "string", "maxLength": 48},
+                               "confidence": {"enum": ["low", "medium", "high"]}}}
+BENCH_TOOL = {"type": "function", "function": {
+    "name": "lookup", "description": "Look a term up",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["term"],
+                   "properties": {"term": {"type": "string", "maxLength": 32}}}}}
 
 
 @dataclass(frozen=True)
@@ -134,6 +148,7 @@ class _Attempt:
     reason: str | None = None
     error: str | None = None
     retries: int = 0
+    versions: dict[str, str] = field(default_factory=dict)
 
 
 # --- one request ---------------------------------------------------------------
@@ -168,7 +183,10 @@ class LoadClient:
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
             body["prompt"] = prompt
-        if self.config.vllm_extensions:
+        if spec.feature != "plain":
+            body.update(_feature_fields(spec.feature, self.config.endpoint))
+        elif self.config.vllm_extensions:
+            # The planned length; a constrained answer ends where its shape closes.
             body.update(ignore_eos=True, min_tokens=spec.output_tokens)
         if self.config.send_priority:
             body["priority"] = spec.priority
@@ -246,6 +264,7 @@ class LoadClient:
         async with self._session.post(self.config.url, json=body, headers=headers) as resp:
             state.headers_s = self.now()
             state.status = resp.status
+            state.versions = _version_headers(resp.headers)
             if resp.status != 200:
                 state.reason, state.error = _error_reason(resp.status, await resp.read())
                 return _retry_after_s(resp.headers.get("Retry-After"))
@@ -281,6 +300,8 @@ class LoadClient:
             state.status = 500
             state.reason, state.error = _error_reason(500, data)
             return True
+        if "system_fingerprint" not in state.versions and chunk.get("system_fingerprint"):
+            state.versions["system_fingerprint"] = chunk["system_fingerprint"]
         count = _chunk_tokens(chunk, chat)
         if count:
             state.events.append((arrived_s, count))
@@ -300,7 +321,28 @@ class LoadClient:
             tenant=spec.tenant, priority=spec.priority, prompt_tokens=spec.prompt_tokens,
             output_tokens=sum(n for _, n in events), expected_output_tokens=spec.output_tokens,
             retries=state.retries, last_sent_s=state.last_sent_s,
-            error=state.error if outcome == "error" else None)
+            error=state.error if outcome == "error" else None, feature=spec.feature,
+            versions=tuple(state.versions.items()))
+
+
+def _feature_fields(feature: str, endpoint: str) -> dict:
+    """The body fields of a request feature: a json_schema response format, or
+    a named tool call (chat only: completions take no tools)."""
+    if feature == "json":
+        return {"response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "answer", "schema": BENCH_SCHEMA}}}
+    if endpoint != "chat":
+        raise ValueError(f"request feature {feature!r} needs the chat endpoint")
+    return {"tools": [BENCH_TOOL], "tool_choice": {"type": "function", "function": {"name": "lookup"}}}
+
+
+def _version_headers(headers) -> dict[str, str]:
+    out = {}
+    for name in VERSION_HEADERS:
+        value = headers.get(VERSION_HEADER_PREFIX + name)
+        if value:
+            out[name] = value
+    return out
 
 
 def _chunk_tokens(chunk: dict, chat: bool) -> int:
@@ -312,8 +354,10 @@ def _chunk_tokens(chunk: dict, chat: bool) -> int:
     listed = logprobs.get("content") if chat else logprobs.get("tokens")
     if listed:
         return len(listed)
-    text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-    return 1 if text else 0
+    if not chat:
+        return 1 if choice.get("text") else 0
+    delta = choice.get("delta") or {}
+    return 1 if delta.get("content") or delta.get("tool_calls") else 0
 
 
 def _reconcile(events: list[tuple[float, int]], usage_tokens: int | None) -> list[tuple[float, int]]:

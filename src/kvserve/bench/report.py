@@ -64,6 +64,10 @@ class RequestRecord:
     last_sent_s: float | None = None
     queue_s: float | None = None
     error: str | None = None
+    feature: str = "plain"  # bench.workload.REQUEST_FEATURES
+    # The versions the server said shaped the answer: its x-kvserve-* version
+    # headers and the system_fingerprint, as (name, value) pairs.
+    versions: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:
@@ -339,6 +343,7 @@ def _build_report(records, slo, duration_s, price_per_hour, metrics_samples, con
         "summary": summary,
         "by_tenant": _by(records, latencies, "tenant", duration_s, slo, whole),
         "by_priority": _by(records, latencies, "priority", duration_s, slo, whole),
+        "by_feature": _by(records, latencies, "feature", duration_s, slo, whole),
         "server_metrics": server,
         "client": client_stats or {},
         "requests": [_record_dict(r, lat) for r, lat in
@@ -368,6 +373,7 @@ def _record_dict(record: RequestRecord, lat) -> dict:
     # fraction of its cost.
     out = dict(vars(record))  # the fields, in declaration order
     out["token_events"] = [list(e) for e in record.token_events]
+    out["versions"] = dict(record.versions)
     out["ttft_s"] = lat.ttft_s if lat else None
     out["tpot_s"] = lat.tpot_s if lat else None
     out["e2e_s"] = lat.e2e_s if lat else None

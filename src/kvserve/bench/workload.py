@@ -1,7 +1,8 @@
 """What each request of a load test asks for, in token counts only.
 
 A workload is a weighted mix of length classes (each a prompt-length and an
-output-length distribution), a tenant mix, a priority mix, optional
+output-length distribution), a tenant mix, a priority mix, a feature mix
+(plain requests, structured outputs, tool calls: `REQUEST_FEATURES`), optional
 shared-prefix groups (to exercise prefix caching) and a share of requests the
 client cancels after a delay. `generate_requests` turns it into a seeded list
 of `RequestSpec`s. Prompt TEXT is synthesized later, only by the HTTP client
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import dataclasses
 import itertools
 import json
 import math
@@ -31,6 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.gc_pause import cyclic_gc_paused
+
+
+# What a request asks for beyond its lengths: "plain" text, "json" (a
+# response_format json_schema) or "tools" (a named tool call, chat only).
+REQUEST_FEATURES = ("plain", "json", "tools")
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class RequestSpec:
     priority: int = 0
     prefix_group: PrefixGroup | None = None
     cancel_after_s: float | None = None
+    feature: str = "plain"
 
 
 @dataclass(frozen=True)
@@ -127,6 +135,7 @@ class WorkloadSpec:
       `num_prefix_groups` groups sharing a `prefix_tokens`-token prefix.
     cancel_rate: fraction of requests the client abandons after a delay drawn
       uniformly from `cancel_after_s` (seconds after sending).
+    features: the weighted mix of REQUEST_FEATURES.
     """
 
     classes: tuple[LengthClass, ...]
@@ -137,13 +146,18 @@ class WorkloadSpec:
     prefix_share: float = 0.0
     cancel_rate: float = 0.0
     cancel_after_s: tuple[float, float] = (0.5, 2.0)
+    features: tuple[tuple[str, float], ...] = (("plain", 1.0),)
 
     def __post_init__(self) -> None:
         if not self.classes:
             raise ValueError("a workload needs at least one length class")
+        unknown = [f for f, _ in self.features if f not in REQUEST_FEATURES]
+        if unknown:
+            raise ValueError(f"unknown request features {unknown}; use {', '.join(REQUEST_FEATURES)}")
         for label, mix in (("length class", [c.weight for c in self.classes]),
                            ("tenant", [w for _, w in self.tenants]),
-                           ("priority", [w for _, w in self.priorities])):
+                           ("priority", [w for _, w in self.priorities]),
+                           ("feature", [w for _, w in self.features])):
             if not mix or min(mix) < 0 or sum(mix) <= 0:
                 raise ValueError(f"{label} weights must be >= 0 with a positive sum, got {mix}")
         if not 0.0 <= self.prefix_share <= 1.0 or not 0.0 <= self.cancel_rate <= 1.0:
@@ -170,9 +184,15 @@ def iter_requests(spec: WorkloadSpec, seed: int = 0) -> Iterator[RequestSpec]:
     # reshuffle the lengths of an otherwise identical run.
     rng_len = random.Random(f"{seed}:lengths")
     rng_mix = random.Random(f"{seed}:classes")
+    rng_feature = random.Random(f"{seed}:features")
     mixes = _Mixes(spec)
     for i in itertools.count():
-        yield _one_request(spec, mixes, i, rng_len, rng_mix)
+        request = _one_request(spec, mixes, i, rng_len, rng_mix)
+        if len(spec.features) > 1:
+            request = dataclasses.replace(request, feature=mixes.features.draw(rng_feature))
+        elif spec.features[0][0] != "plain":
+            request = dataclasses.replace(request, feature=spec.features[0][0])
+        yield request
 
 
 class _Mixes:
@@ -184,6 +204,7 @@ class _Mixes:
         self.classes = _WeightedChoice(spec.classes, [c.weight for c in spec.classes])
         self.tenants = _WeightedChoice([t for t, _ in spec.tenants], [w for _, w in spec.tenants])
         self.priorities = _WeightedChoice([p for p, _ in spec.priorities], [w for _, w in spec.priorities])
+        self.features = _WeightedChoice([f for f, _ in spec.features], [w for _, w in spec.features])
 
 
 class _WeightedChoice:

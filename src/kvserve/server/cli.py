@@ -52,6 +52,9 @@ def _add_http_arguments(http: flags.ArgumentTarget) -> None:
                       help="on SIGTERM, time in-flight requests get to finish before abort (seconds)")
     http.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
                       help="larger request bodies get 413 (bytes)")
+    http.add_argument("--max-n", type=int, default=defaults.max_n,
+                      help="most choices (n) one request may ask for; each is an engine request, admitted "
+                           "and charged as one")
     http.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                       help="skip the warm-up before /ready reports ready (by default about 20 engine steps "
                            "on throwaway requests, at most ~10 seconds, so admission's step-time fit exists "
@@ -69,7 +72,7 @@ def configs(args: argparse.Namespace, served_model_name: str) -> tuple[Admission
         host=args.host, port=args.port, served_model_name=served_model_name, api_keys_path=args.api_keys,
         stream_stall_timeout_s=args.stream_stall_timeout, shutdown_grace_s=args.shutdown_grace,
         max_body_bytes=args.max_body_bytes, warm_up=args.warm_up,
-        auth_metrics_and_docs=args.auth_metrics_and_docs)
+        auth_metrics_and_docs=args.auth_metrics_and_docs, max_n=args.max_n)
     return flags.admission_config(args), server
 
 

@@ -1,6 +1,8 @@
 """The serving pipeline's first stage: a parsed body -> one validated, typed
 `PreparedRequest` (prompt token ids, max_tokens resolved once, sampling
-params, deadline, priority, retry flag), or an `APIError` saying why not.
+params with the request's one structured-output constraint, its choices and
+tools, the versions that shape its answer, deadline, priority, retry flag),
+or an `APIError` saying why not.
 
 The size rules live here once: the context length (`_max_tokens`) and the
 vocabulary (`_in_vocab`) are checked by the same functions for the cheap
@@ -22,14 +24,16 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from kvserve.config import AdmissionConfig
-from kvserve.contract import InvalidParameter, SamplingParams
+from kvserve.contract import InvalidParameter, ResolvedVersions, SamplingParams, StructuredOutput
 from kvserve.server import protocol
 from kvserve.server.errors import APIError, bad_request
+from kvserve.server.prompts import chat_prompt_ids, completion_prompt_ids, in_vocab
 from kvserve.server.tenants import Tenant
+from kvserve.server.tools import ToolSet
 
 Kind = Literal["completion", "chat"]
 # Tokens a completion prompt may gain beyond one per UTF-8 byte (BOS / EOS
@@ -66,10 +70,25 @@ class PreparedRequest:
     deadline: float | None  # on the server's clock
     stream: bool
     include_usage: bool
+    versions: ResolvedVersions  # what shapes this answer: the server's plus its schema and tool hashes
+    num_choices: int = 1  # n: one engine request per choice
+    tool_set: ToolSet | None = None
+    constraint_param: str | None = None  # the field the structured-output constraint came from
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def choice_params(self, index: int) -> SamplingParams:
+        """Choice i of a seeded request samples with seed + i, so the n
+        choices differ and the same request gives the same n again."""
+        if index == 0 or self.params.seed is None:
+            return self.params
+        return replace(self.params, seed=(self.params.seed + index) % 2**64)
+
+    def choice_id(self, index: int) -> str:
+        """The engine request id of choice i (choice 0's is the response's id)."""
+        return self.request_id if index == 0 else f"{self.request_id}-{index}"
 
 
 @dataclass(frozen=True)
@@ -86,13 +105,16 @@ class RequestPreparer:
 
     `fits_cache(prompt_tokens, max_tokens)` says whether such a request can
     ever fit the KV cache; `refuse_early(RequestClass)` raises the refusal
-    any request of that class would get now, or returns."""
+    any request of that class would get now, or returns. `versions` are the
+    server's (each request adds its own hashes); `max_n` bounds `n`."""
 
     def __init__(self, tokenizer, limits: ModelLimits, admission_config: AdmissionConfig,
                  fits_cache: Callable[[int, int], bool], refuse_early: Callable[[RequestClass], None],
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], versions: ResolvedVersions, max_n: int = 1) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.versions = versions
+        self.max_n = max_n
         self.admission_config = admission_config
         self.fits_cache = fits_cache
         self.refuse_early = refuse_early
@@ -106,11 +128,9 @@ class RequestPreparer:
 
     def prepare(self, kind: Kind, body, tenant: Tenant, headers: Mapping[str, str]) -> PreparedRequest:
         arrival = self.clock()
-        if body.model is not None and body.model != self.limits.name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves "
-                                f"{self.limits.name!r}", "invalid_request_error", "model_not_found", "model")
+        self.resolve_model(body.model)
         try:
-            protocol.refuse_unsupported(body)
+            protocol.refuse_unsupported(body, self.max_n)
         except InvalidParameter as exc:
             raise bad_request(exc) from None
         request_class = RequestClass(protocol.priority_of(body, tenant.priority), tenant.name,
@@ -119,16 +139,28 @@ class RequestPreparer:
         if bound is not None and self._size_cannot_be_refused(bound, body, tenant):
             self.refuse_early(request_class)
         try:
-            prompt = self._prompt_token_ids(kind, body)
+            tool_set = (ToolSet.of_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+                        if kind == "chat" else None)
+            constraint, constraint_param = _constraint(body, tool_set)
+            prompt = self.prompt_token_ids(kind, body, tool_set)
             max_tokens, defaulted = self._max_tokens(body, len(prompt))
-            params = protocol.sampling_params(body, max_tokens, self.limits.vocab_size)
+            params = protocol.sampling_params(body, max_tokens, self.limits.vocab_size, constraint)
         except InvalidParameter as exc:
             raise bad_request(exc) from None
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        versions = self.versions.for_request(params, None if tool_set is None else tool_set.schema_hash)
         return PreparedRequest(
             kind, f"{prefix}-{self._id_prefix}{next(self._id_counter):010x}", prompt, params, defaulted, arrival,
             request_class.priority, tenant, request_class.is_retry, request_class.deadline, bool(body.stream),
-            bool(body.stream_options and body.stream_options.include_usage))
+            bool(body.stream_options and body.stream_options.include_usage), versions, body.n or 1, tool_set,
+            constraint_param)
+
+    def resolve_model(self, name: str | None) -> None:
+        """404 unless `name` (a request's `model`) is one this server serves:
+        the one place a request's model name is looked up."""
+        if name is not None and name != self.limits.name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves "
+                                f"{self.limits.name!r}", "invalid_request_error", "model_not_found", "model")
 
     # ---- the size rules ------------------------------------------------------
 
@@ -153,8 +185,7 @@ class RequestPreparer:
         return requested, False
 
     def _in_vocab(self, token_ids: list) -> bool:
-        vocab_size = self.limits.vocab_size
-        return all(isinstance(t, int) and 0 <= t < vocab_size for t in token_ids)
+        return in_vocab(token_ids, self.limits.vocab_size)
 
     def _size_cannot_be_refused(self, bound: int, body, tenant: Tenant) -> bool:
         """True when a prompt of at most `bound` tokens with the body's
@@ -174,8 +205,8 @@ class RequestPreparer:
         """At least as many tokens as the prompt has; None if unknown or the
         prompt is malformed (the full path gives the 400)."""
         if kind == "chat":
-            if self._chat_bytes_per_message is None:
-                return None
+            if self._chat_bytes_per_message is None or body.tools:
+                return None  # unknown, or tools the template renders beside the messages
             num_bytes = 0
             for message in body.messages:
                 content = message.content
@@ -202,32 +233,23 @@ class RequestPreparer:
             return None
         return len(text.encode()) + ADDED_TOKENS_SLACK
 
-    def _prompt_token_ids(self, kind: Kind, body) -> list[int]:
+    def prompt_token_ids(self, kind: Kind, body, tool_set: ToolSet | None = None) -> list[int]:
+        """The prompt as the engine gets it (server/prompts.py; the tools rendered for chat)."""
         if kind == "chat":
-            try:
-                text = self.tokenizer.apply_chat_template(protocol.chat_messages(body))
-            except ValueError as exc:
-                raise InvalidParameter("messages", str(exc)) from None
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = self._completion_prompt(body.prompt)
-        if not ids:
-            raise InvalidParameter("prompt" if kind == "completion" else "messages",
-                                   "must contain at least one token")
-        return ids
+            return chat_prompt_ids(self.tokenizer, protocol.chat_messages(body), tool_set)
+        return completion_prompt_ids(self.tokenizer, self.limits.vocab_size, body.prompt)
 
-    def _completion_prompt(self, prompt) -> list[int]:
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise InvalidParameter("prompt", "batched prompts are not supported; send one prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidParameter("prompt", "must not be empty")
-            return self.tokenizer.encode(prompt)
-        if not self._in_vocab(prompt):
-            raise InvalidParameter("prompt", f"token ids must be integers in [0, {self.limits.vocab_size})")
-        return list(prompt)
+
+def _constraint(body, tool_set: ToolSet | None) -> tuple[StructuredOutput | None, str | None]:
+    """The request's structured-output constraint and the field it came from:
+    its own, or the one a forced tool call brings (never both)."""
+    own = protocol.structured_output_of(body)
+    forced = tool_set.constraint() if tool_set is not None else None
+    if own is not None and forced is not None:
+        raise InvalidParameter(own.param, "cannot be combined with tool_choice 'required' or a named function")
+    if own is not None:
+        return own.output, own.param
+    return forced, None if forced is None else "tools"
 
 
 def deadline_of(headers: Mapping[str, str], arrival: float) -> float | None:

@@ -12,7 +12,13 @@ from fastapi.responses import JSONResponse, Response
 from kvserve.metrics import CONTENT_TYPE_LATEST
 from kvserve.server.errors import APIError
 from kvserve.server.middleware import TENANT_STATE
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from kvserve.server.serving import Serving
 from kvserve.server.tenants import Tenant
 
@@ -43,6 +49,17 @@ async def completions(body: CompletionRequest, request: Request):
 @router.post("/v1/chat/completions", responses=_ERRORS)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     return await _serving(request).create("chat", body, _tenant(request), request.headers, request)
+
+
+@router.post("/tokenize", responses={k: _ERRORS[k] for k in (400, 401, 404)})
+async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request):
+    """vLLM's: the prompt's token ids as a request would be charged them."""
+    return JSONResponse(_serving(request).tokenize(body))
+
+
+@router.post("/detokenize", responses={k: _ERRORS[k] for k in (400, 401, 404)})
+async def detokenize(body: DetokenizeRequest, request: Request):
+    return JSONResponse(_serving(request).detokenize(body))
 
 
 @router.get("/v1/models", responses={401: _ERRORS[401]})

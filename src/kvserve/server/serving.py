@@ -1,9 +1,11 @@
 """The bridge from HTTP to the engine, as one pass: prepare (validate,
 refuse early what admission would refuse at any size, tokenize;
-server/prepare.py) -> build the request through the engine's
-RequestFactory -> hand it to the async engine (whose thread makes the
-admission decision) -> render its stream as a JSON body or SSE events
-(server/streaming.py). Errors are `APIError`s (server/errors.py).
+server/prepare.py) -> compile its structured-output constraint (a 400
+before admission; never an engine stall) -> build one request per choice
+through the engine's RequestFactory -> hand them to the async engine (whose
+thread makes each admission decision) -> render their streams as a JSON
+body or SSE events (server/streaming.py). Errors are `APIError`s
+(server/errors.py).
 
 Headers are sent only after the request is admitted and has produced its
 first token, so a refused, timed-out or failed request always gets an honest
@@ -26,13 +28,16 @@ from kvserve.admission.loop import AdmissionLoop
 from kvserve.admission.step_limits import StepLimits
 from kvserve.admission.step_time import MIN_FIT_STEPS
 from kvserve.config import AdmissionConfig, ServerConfig
-from kvserve.contract import ResolvedVersions
-from kvserve.engine.async_engine import AsyncEngine, Finished, RequestStream, StepReport
+from kvserve.contract import InvalidParameter, ResolvedVersions
+from kvserve.engine.async_engine import AsyncEngine, Finished, StepReport
 from kvserve.engine.core import EngineCore
 from kvserve.metrics import ServerMetrics
 from kvserve.server import protocol, streaming
-from kvserve.server.errors import APIError, ended_without_output, rejection
+from kvserve.server.errors import APIError, bad_request, ended_without_output, rejection
 from kvserve.server.prepare import Kind, ModelLimits, PreparedRequest, RequestClass, RequestPreparer
+from kvserve.server.prompts import chat_prompt_ids, completion_prompt_ids, detokenize_body, tokenize_body
+from kvserve.server.streaming import Choice
+from kvserve.server.tools import ToolSet
 from kvserve.server.tenants import Tenant, TenantDirectory
 from kvserve.server.transport import reader_stalled
 
@@ -71,7 +76,7 @@ class Serving:
         self.engine = AsyncEngine(core, self.admission, on_step=self._on_step)
         self.preparer = RequestPreparer(
             self.tokenizer, ModelLimits(self.model_name, self.vocab_size, self.max_model_len), admission_config,
-            self._fits_cache, self._refuse_early, clock)
+            self._fits_cache, self._refuse_early, clock, self.versions, server_config.max_n)
         self.started = False
         self.draining = False
         self._drain_deadline = 0.0  # monotonic time the drain aborts what is left
@@ -165,54 +170,117 @@ class Serving:
         """Serve one /v1/completions or /v1/chat/completions request."""
         self._refuse_if_unavailable()
         prepared = self.preparer.prepare(kind, body, tenant, headers)
-        request = self.core.new_request(prepared.prompt_token_ids, prepared.params, request_id=prepared.request_id,
-                                        arrival_time=prepared.arrival, priority=prepared.priority,
-                                        tenant=tenant.name, deadline=prepared.deadline)
+        await self._compile_constraint(prepared)
+        choices: list[Choice] = []
+        watcher = asyncio.create_task(self._abort_on_disconnect(http_request, choices))
         try:
-            stream = self.engine.add(request, prepared.is_retry)
-        except RuntimeError:  # the engine failed since the check above
-            self._refuse_if_unavailable()
-            raise
-        watcher = asyncio.create_task(self._abort_on_disconnect(http_request, prepared.request_id))
-        try:
-            decision, first = await self._first_output(stream, prepared)
-        except BaseException:
+            decision = await self._start_choices(prepared, choices)
+        except BaseException as exc:
             watcher.cancel()
+            self._abort(choices, "choice_refused" if isinstance(exc, APIError) else "disconnect")
             raise
         response_headers = self._headers(prepared, decision)
         shape = protocol.ResponseShape(kind, prepared.request_id, self.model_name,
-                                       self.versions.fingerprint, self.tokenizer.token_text)
+                                       prepared.versions.fingerprint, self.tokenizer.token_text)
         if prepared.stream:
             watcher.cancel()
-            events = streaming.sse(shape, stream, first, prepared, lambda: self._client_left(prepared, http_request))
+            events = streaming.sse(shape, choices, prepared, lambda: self._client_left(choices, http_request))
             return StreamingResponse(events, media_type="text/event-stream", headers=response_headers)
         try:
-            body_json = await streaming.collect(shape, stream, first, prepared)
+            body_json = await streaming.collect(shape, choices, prepared)
         finally:
             watcher.cancel()
         return JSONResponse(body_json, headers=response_headers)
 
-    async def _first_output(self, stream: RequestStream,
-                            p: PreparedRequest) -> tuple[AdmissionDecision | None, object]:
-        """(the admission decision, the first output) of an admitted request
-        that produced output; raises the APIError of one that was refused or
-        ended before its first token. `decision` is None only when the engine
-        failed before deciding."""
+    async def _compile_constraint(self, p: PreparedRequest) -> None:
+        """Compile the request's constraint before admitting it (on the
+        compiler's worker thread; cached per schema): one the grammar engine
+        cannot enforce is a 400 naming its field, never an engine stall."""
+        constraint = p.params.structured_output
+        if constraint is None:
+            return
+        # shield: a client leaving mid-compile must not cancel the cached future others share.
         try:
-            first = await stream.next()
-            decision = first if isinstance(first, AdmissionDecision) else None
-            if decision is not None:
-                self.metrics.record_admission(decision.outcome, decision.reason)
-                if decision.admitted:
-                    first = await stream.next()
-        except BaseException:
-            self.engine.abort(p.request_id, "disconnect")
+            await asyncio.shield(asyncio.wrap_future(self.core.structured.submit(constraint)))
+        except InvalidParameter as exc:
+            param = p.constraint_param or "structured_output"
+            message = str(exc).removeprefix(f"{exc.param} ")
+            raise APIError(400, f"{param}: {message}", code="invalid_structured_output", param=param) from None
+
+    async def _start_choices(self, p: PreparedRequest, choices: list[Choice]) -> AdmissionDecision | None:
+        """Admit and start every choice, each an engine request of its own
+        (appended to `choices` as it is added). The first goes alone, the
+        others once it has its first token: its prompt's full blocks are
+        then in the prefix cache, so they share them (admission counts that
+        hit, so it charges their outputs and the prompt once). Any choice
+        refused refuses the response. Returns the first choice's decision
+        (None only when the engine failed before deciding)."""
+        decision = await self._first_output(self._add_choice(p, 0, choices), p)
+        others = [self._add_choice(p, i, choices) for i in range(1, p.num_choices)]
+        for choice in others:
+            await self._first_output(choice, p)
+        return decision
+
+    def _add_choice(self, p: PreparedRequest, index: int, choices: list[Choice]) -> Choice:
+        request_id = p.choice_id(index)
+        request = self.core.new_request(p.prompt_token_ids, p.choice_params(index), request_id=request_id,
+                                        arrival_time=p.arrival, priority=p.priority, tenant=p.tenant.name,
+                                        deadline=p.deadline)
+        try:
+            stream = self.engine.add(request, p.is_retry)
+        except RuntimeError:  # the engine failed since the check in create()
+            self._refuse_if_unavailable()
             raise
-        if decision is not None and not decision.admitted:
-            raise rejection(decision)
+        choice = Choice(index, request_id, stream, p.params.logprobs is not None, p.tool_set)
+        choices.append(choice)
+        return choice
+
+    async def _first_output(self, choice: Choice, p: PreparedRequest) -> AdmissionDecision | None:
+        """Wait for a choice's admission decision and its first output (kept
+        in `choice.pending`); raises the APIError of one that was refused or
+        ended before its first token."""
+        first = await choice.stream.next()
+        decision = first if isinstance(first, AdmissionDecision) else None
+        if decision is not None:
+            self.metrics.record_admission(decision.outcome, decision.reason)
+            if not decision.admitted:
+                raise rejection(decision)
+            first = await choice.stream.next()
         if isinstance(first, Finished) and first.num_output_tokens == 0:
             raise self._ended_without_output(first, p)
-        return decision, first
+        choice.pending = [first]
+        return decision
+
+    def _abort(self, choices: list[Choice], reason: str) -> None:
+        for choice in choices:
+            if choice.stream.finished is None:
+                self.engine.abort(choice.request_id, reason)
+
+    # ---- vLLM's token helpers ----------------------------------------------------
+
+    def tokenize(self, body) -> dict:
+        """vLLM's /tokenize: a prompt, or messages with their tools, counted
+        as a request's prompt is."""
+        self.preparer.resolve_model(body.model)
+        try:
+            if isinstance(body, protocol.TokenizeChatRequest):
+                tool_set = ToolSet.of_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+                ids = chat_prompt_ids(self.tokenizer, protocol.chat_messages(body), tool_set,
+                                      add_generation_prompt=body.add_generation_prompt is not False,
+                                      add_special_tokens=bool(body.add_special_tokens))
+            else:
+                ids = completion_prompt_ids(self.tokenizer, self.vocab_size, body.prompt,
+                                            add_special_tokens=body.add_special_tokens is not False)
+        except InvalidParameter as exc:
+            raise bad_request(exc) from None
+        return tokenize_body(self.tokenizer, ids, self.max_model_len, bool(body.return_token_strs))
+
+    def detokenize(self, body: protocol.DetokenizeRequest) -> dict:
+        self.preparer.resolve_model(body.model)
+        try:
+            return detokenize_body(self.tokenizer, self.vocab_size, body.tokens)
+        except InvalidParameter as exc:
+            raise bad_request(exc) from None
 
     def _refuse_if_unavailable(self) -> None:
         if self.draining:
@@ -266,7 +334,7 @@ class Serving:
     def _headers(self, p: PreparedRequest, decision: AdmissionDecision | None) -> dict[str, str]:
         """The response headers of an admitted request; `decision` None only
         when the engine failed before deciding (the response is an error)."""
-        headers = self.version_headers()
+        headers = self.version_headers(p.versions)
         headers["x-request-id"] = p.request_id
         max_tokens = decision.max_tokens if decision is not None and decision.max_tokens else p.params.max_tokens
         if p.max_tokens_defaulted:
@@ -275,26 +343,33 @@ class Serving:
             headers["x-kvserve-degraded"] = f"max_tokens={max_tokens}"
         return headers
 
-    def version_headers(self) -> dict[str, str]:
-        v = self.versions
-        return {"x-kvserve-model-revision": v.model_revision, "x-kvserve-tokenizer-hash": v.tokenizer_hash,
-                "x-kvserve-chat-template-hash": v.chat_template_hash}
+    def version_headers(self, versions: ResolvedVersions | None = None) -> dict[str, str]:
+        """The versions that shape an answer: the server's, or a request's own
+        (with its schema and tool hashes, `ResolvedVersions.for_request`)."""
+        v = versions or self.versions
+        headers = {"x-kvserve-model-revision": v.model_revision, "x-kvserve-tokenizer-hash": v.tokenizer_hash,
+                   "x-kvserve-chat-template-hash": v.chat_template_hash}
+        for name, value in (("x-kvserve-adapter-id", v.adapter_id),
+                            ("x-kvserve-structured-output-hash", v.structured_output_hash),
+                            ("x-kvserve-tool-schema-hash", v.tool_schema_hash)):
+            if value:
+                headers[name] = value
+        return headers
 
-    async def _abort_on_disconnect(self, http_request, request_id: str) -> None:
-        """Wait for the client to go away, then abort its request."""
+    async def _abort_on_disconnect(self, http_request, choices: list[Choice]) -> None:
+        """Wait for the client to go away, then abort its requests."""
         if http_request is None:
             return
         while True:
             message = await http_request.receive()
             if message["type"] == "http.disconnect":
-                self.engine.abort(request_id, "disconnect")
+                self._abort(choices, "disconnect")
                 return
 
-    def _client_left(self, p: PreparedRequest, http_request) -> None:
+    def _client_left(self, choices: list[Choice], http_request) -> None:
         """A stream's reader went away before its end: abort, saying whether
         it stalled (the transport's stall clock) or disconnected."""
-        reason = "stalled" if reader_stalled(getattr(http_request, "scope", None)) else "disconnect"
-        self.engine.abort(p.request_id, reason)
+        self._abort(choices, "stalled" if reader_stalled(getattr(http_request, "scope", None)) else "disconnect")
 
 
 async def _load_streaming_backend() -> None:

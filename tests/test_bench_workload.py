@@ -196,3 +196,19 @@ def test_weighted_draws_are_those_of_random_choices():
             [reference.choices(population, weights)[0] for _ in range(200)]
     with pytest.raises(ValueError, match="sum"):
         _WeightedChoice(["a"], [0.0])
+
+
+def test_feature_mix_by_weight_leaves_the_lengths_alone():
+    classes = parse_length_classes("chat")
+    plain = generate_requests(WorkloadSpec(classes), 400, seed=5)
+    mixed = generate_requests(WorkloadSpec(classes, features=(("plain", 2.0), ("json", 1.0), ("tools", 1.0))),
+                              400, seed=5)
+    assert [(r.prompt_tokens, r.output_tokens) for r in mixed] == [(r.prompt_tokens, r.output_tokens)
+                                                                   for r in plain]
+    assert {r.feature for r in plain} == {"plain"}
+    counts = {f: sum(r.feature == f for r in mixed) for f in ("plain", "json", "tools")}
+    assert 160 < counts["plain"] < 240 and 70 < counts["json"] < 130 and 70 < counts["tools"] < 130
+    only = generate_requests(WorkloadSpec(classes, features=(("json", 1.0),)), 5)
+    assert {r.feature for r in only} == {"json"}
+    with pytest.raises(ValueError, match="unknown request features"):
+        WorkloadSpec(classes, features=(("lora", 1.0),))

@@ -411,3 +411,28 @@ def test_the_schema_hash_is_in_the_headers_and_the_fingerprint(client, server):
     assert raw.headers["x-kvserve-structured-output-hash"] == expected
     assert raw.parse().system_fingerprint.endswith(expected[:6])
     assert raw.headers["x-kvserve-model-revision"] == server.serving.versions.model_revision
+
+
+# ---- kvserve bench mixes them ------------------------------------------------------
+
+def test_bench_mixes_features_by_weight_splits_the_report_and_records_versions(server, tmp_path):
+    from kvserve import cli
+
+    rc = cli.main(["bench", "--base-url", server.base_url, "--model", MODEL, "--endpoint", "chat",
+                   "--workload", "prompt=uniform:min=8,max=24;output=fixed:6", "--features", "plain:1,json:1,tools:1",
+                   "--rate", "20", "--num-requests", "12", "--timeout", "120", "--out", str(tmp_path),
+                   "--no-progress", "--no-metrics", "--seed", "2"])
+    assert rc == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    by_feature = report["by_feature"]
+    assert set(by_feature) == {"plain", "json", "tools"}
+    assert sum(b["outcomes"]["success"] for b in by_feature.values()) == report["summary"]["outcomes"]["success"]
+    assert report["summary"]["outcomes"]["error"] == 0
+    revision = server.serving.versions.model_revision
+    for r in report["requests"]:
+        if r["outcome"] != "success":
+            continue
+        assert r["versions"]["model-revision"] == revision and r["versions"]["system_fingerprint"]
+        assert ("structured-output-hash" in r["versions"]) == (r["feature"] != "plain")
+        assert ("tool-schema-hash" in r["versions"]) == (r["feature"] == "tools")
+        assert r["output_tokens"] >= 1

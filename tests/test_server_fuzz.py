@@ -61,9 +61,13 @@ values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=
 COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stream",
                      "stream_options", "stop", "seed", "logprobs", "echo", "best_of", "suffix", "user",
                      "presence_penalty", "frequency_penalty", "logit_bias", "service_tier", "min_tokens",
-                     "ignore_eos", "stop_token_ids", "priority"]
+                     "ignore_eos", "stop_token_ids", "priority", "repetition_penalty", "response_format",
+                     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"]
 CHAT_FIELDS = [f for f in COMPLETION_FIELDS if f not in ("prompt", "echo", "best_of", "suffix", "logprobs")] + [
-    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "response_format"]
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+    "parallel_tool_calls"]
+TOKENIZE_FIELDS = ["model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                   "return_token_strs", "tools", "tokens"]
 
 
 def valid_completion() -> dict:
@@ -125,6 +129,8 @@ json_bodies = st.builds(_maybe_streamed, st.booleans(), st.one_of(
     hostile_text_body(), hostile_text_body(),  # twice: the most likely place for a 500
     mutated_body(valid_completion, COMPLETION_FIELDS).map(lambda b: ("/v1/completions", b)),
     mutated_body(valid_chat, CHAT_FIELDS).map(lambda b: ("/v1/chat/completions", b)),
+    st.tuples(st.sampled_from(["/tokenize", "/detokenize"]),
+              mutated_body(lambda: {"prompt": "hi", "tokens": [1, 2]}, TOKENIZE_FIELDS)),
     st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), values),
 )).map(lambda pb: (pb[0], to_json(pb[1]).encode()))
 

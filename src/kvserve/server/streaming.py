@@ -76,8 +76,7 @@ class Choice:
             self.absorb([await self.stream.next()])
 
     def finish_reason(self, has_calls: bool) -> str | None:
-        reason = self.end.finish_reason if self.end is not None else None
-        return TOOL_CALLS_FINISH if has_calls and reason == "stop" else reason
+        return _finish_reason(self.end.finish_reason if self.end is not None else None, has_calls)
 
     def whole(self, shape: protocol.ResponseShape) -> dict:
         """This choice in a whole response (after read_to_end)."""
@@ -101,10 +100,8 @@ class Choice:
                 rest, more = self.tool_stream.finish()
                 text, tool_calls = text + rest, tool_calls + more
         lp = [x for o in outputs for x in new_logprobs(o)] if self.wants_logprobs else None
-        finish = self.finish_reason(self.tool_stream is not None and self.tool_stream.num_calls > 0) \
-            if finished else None
-        if finished and finish is None:
-            finish = outputs[-1].finish_reason
+        finish = _finish_reason(outputs[-1].finish_reason if finished else None,
+                                self.tool_stream is not None and self.tool_stream.num_calls > 0)
         if not (text or finish or not self.sent_first or lp or tool_calls):
             return None
         chunk = shape.chunk_choice(self.index, text, finish, lp, first=not self.sent_first,
@@ -112,6 +109,11 @@ class Choice:
         self.sent_first = True
         self.text_offset += shape.text_length(lp)
         return chunk
+
+
+def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    """OpenAI's "tool_calls" for an answer that stopped on its calls."""
+    return TOOL_CALLS_FINISH if has_calls and reason == "stop" else reason
 
 
 def usage(choices: Sequence[Choice], num_prompt_tokens: int) -> dict:

@@ -13,6 +13,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, settings
 
+from kvserve.config import ServerConfig
 from tests.fleet_helpers import backend_counter, gateway, start_all, tiny_backend
 from tests.load_helpers import run_clients, stream_one, wait_until
 from tests.server_helpers import MODEL_NAME
@@ -137,7 +138,7 @@ BAD_BODIES = [
     {"model": MODEL_NAME, "prompt": [1, 2, 10**6], "max_tokens": 2},
     {"model": MODEL_NAME, "prompt": "x" * 600, "max_tokens": 2},
     {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, "temperature": -1},
-    {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, "n": 3},
+    {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, "n": ServerConfig().max_n + 1},
     {"model": "no-such-model", "prompt": "x", "max_tokens": 2},
     {"prompt": "x", "max_tokens": 2, "priority": "urgent"},
     {"model": MODEL_NAME, "max_tokens": 2},

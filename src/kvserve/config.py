@@ -5,8 +5,9 @@ Sizes accept human strings ("2GiB", "512MiB", "1.5GB") through `parse_size`.
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -186,3 +187,73 @@ class ServerConfig:
         _check(self.max_body_bytes >= 1024,
                f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         _check(self.max_n >= 1, f"max_n must be >= 1, got {self.max_n}")
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, under vLLM's `speculative_config` keys.
+
+    method: "ngram" (prompt lookup: the tokens that followed the latest
+      earlier occurrence of the request's last n tokens, n from
+      prompt_lookup_max down to prompt_lookup_min, in its prompt and output)
+      or "draft_model" (`model`: a smaller model with the target's vocabulary).
+    num_speculative_tokens: draft tokens proposed per request per step (k);
+      each speculating request asks the step for 1 + k tokens.
+    disable_by_batch_size: no request speculates in a step that decodes more
+      than this many sequences (vLLM's key; None: no limit).
+    min_acceptance_rate: no request speculates while the measured share of
+      draft tokens accepted (an EWMA over recent drafts) is below this, except
+      one probe step in every `probe_interval_steps` that keeps the
+      measurement alive (0 disables the rule).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None
+    disable_by_batch_size: int | None = 8
+    min_acceptance_rate: float = 0.15
+    probe_interval_steps: int = 16
+
+    def __post_init__(self) -> None:
+        _check(self.method in SPECULATIVE_METHODS,
+               f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        _check(1 <= self.num_speculative_tokens <= 16,
+               f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}")
+        _check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+               f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} "
+               f"and {self.prompt_lookup_max}")
+        _check(self.method != "draft_model" or bool(self.model),
+               'method "draft_model" needs "model": the draft model\'s path')
+        _check(self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
+               f"disable_by_batch_size must be >= 1 or null, got {self.disable_by_batch_size}")
+        _check(0.0 <= self.min_acceptance_rate < 1.0,
+               f"min_acceptance_rate must be in [0, 1), got {self.min_acceptance_rate}")
+        _check(self.probe_interval_steps >= 1,
+               f"probe_interval_steps must be >= 1, got {self.probe_interval_steps}")
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """A config from JSON text (`--speculative-config`), a dict
+        (`LLM(speculative_config=)`), a config, or None. Unknown keys are an
+        error naming them, so a typo is not silently ignored."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        _check(not unknown, f"unknown speculative config keys {unknown}; known: {sorted(known)}")
+        try:
+            return cls(**value)
+        except TypeError as e:
+            raise ValueError(f"bad speculative config: {e}") from None

@@ -360,6 +360,10 @@ class Request:
     # Chained hashes of the full blocks of all_token_ids, filled lazily by the
     # KV cache manager; kept across preemption because tokens never change.
     block_hashes: list[bytes] = field(default_factory=list)
+    # Draft tokens proposed to follow all_token_ids (speculative decoding):
+    # the next step may verify them beside the last token. Never part of
+    # the request's tokens until accepted; cleared when consumed or preempted.
+    spec_token_ids: list[int] = field(default_factory=list)
     timestamps: RequestTimestamps = field(init=False)
 
     def __post_init__(self) -> None:

@@ -89,6 +89,19 @@ def add_runtime_arguments(group: ArgumentTarget, *, no_effect_note: str | None =
                             "1 avoids oversubscription with the HTTP thread" + note)
 
 
+def add_speculative_arguments(group: ArgumentTarget) -> None:
+    """Speculative decoding (config.SpeculativeConfig), as vLLM's JSON."""
+    group.add_argument(
+        "--speculative-config", default=None, metavar="JSON",
+        help='speculative decoding as JSON with vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup in the request\'s own tokens) or '
+             '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} (a smaller model with the '
+             'same vocabulary). When not to speculate: no request speculates in a step decoding more than '
+             '"disable_by_batch_size" sequences (default 8), nor a request whose measured acceptance rate '
+             '(EWMA of accepted / proposed drafts) is below "min_acceptance_rate" (default 0.15; one probe '
+             'step in "probe_interval_steps", default 16), nor one with a grammar, penalties or logit_bias')
+
+
 def add_admission_arguments(group: ArgumentTarget) -> None:
     """The promise the front door defends and its limits (AdmissionConfig)."""
     a = _ADMISSION

@@ -103,6 +103,16 @@ class ServerMetrics:
                                  "met, missed, cancelled (the client left), aborted (the server ended it "
                                  "early: queue timeout, deadline, shutdown, engine error).",
                                  ["slo", "result"])
+        # Speculative decoding, as vLLM counts it: a draft is one request's
+        # drafts verified in one step.
+        self.spec_drafts = self._counter("vllm:spec_decode_num_drafts",
+                                         "Speculative drafts verified (one request's drafts in one step).")
+        self.spec_draft_tokens = self._counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted_tokens = self._counter("vllm:spec_decode_num_accepted_tokens",
+                                                  "Draft tokens accepted.")
+        self.spec_accepted_per_pos = self._counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                                   "Draft tokens accepted at each position of a draft (0-based).",
+                                                   ["position"])
         # Export unlabelled-by-event counters at 0 from the start, as vLLM does.
         for counter in (self.prompt_tokens, self.generation_tokens, self.preemptions,
                         self.prefix_queries, self.prefix_hits):
@@ -189,6 +199,16 @@ class ServerMetrics:
         else:
             return
         self.step.labels(model_name=self.model_name, kind=kind).observe(step_s)
+
+    def record_spec_decode(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
+                           accepted_per_pos: list[int]) -> None:
+        """One step's draft verifications (the first call exports every position at 0)."""
+        labels = {"model_name": self.model_name}
+        self.spec_drafts.labels(**labels).inc(num_drafts)
+        self.spec_draft_tokens.labels(**labels).inc(num_draft_tokens)
+        self.spec_accepted_tokens.labels(**labels).inc(num_accepted_tokens)
+        for position, count in enumerate(accepted_per_pos):
+            self.spec_accepted_per_pos.labels(position=str(position), **labels).inc(count)
 
     def record_stats(self, num_running: int, num_waiting: int, kv_usage: float, num_preemptions: int,
                      prefix_cache_queries: int, prefix_cache_hits: int) -> None:

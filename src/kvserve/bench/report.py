@@ -294,7 +294,38 @@ def server_metrics_block(samples: Sequence[MetricsSample]) -> dict:
         "series": {k: v for k, v in series.items() if v},
         "queue_time": queue_time_from_server(samples),
         "counters_delta": counters,
+        "spec_decode": spec_decode_block(counters),
     }
+
+
+SPEC_DECODE_COUNTERS = {"num_drafts": "vllm:spec_decode_num_drafts",
+                        "num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+                        "num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
+_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def spec_decode_block(counters_delta: dict[str, float]) -> dict | None:
+    """The server's speculative decoding over the run, from vLLM's
+    spec_decode counters (None when the server reports none): acceptance
+    rate (accepted / draft tokens), mean accepted length (tokens a verifying
+    request gains per step: 1 + accepted / drafts) and acceptance by position."""
+    def total(name: str) -> float:
+        return sum(v for k, v in counters_delta.items() if k.split("{")[0] in (name, name + "_total"))
+
+    block = {key: total(name) for key, name in SPEC_DECODE_COUNTERS.items()}
+    if not any(k.split("{")[0].startswith("vllm:spec_decode") for k in counters_delta):
+        return None
+    drafts = block["num_drafts"]
+    per_pos: dict[int, float] = {}
+    for key, value in counters_delta.items():
+        if key.split("{")[0] in (_PER_POS, _PER_POS + "_total") and 'position="' in key:
+            position = int(key.split('position="')[1].split('"')[0])
+            per_pos[position] = per_pos.get(position, 0.0) + value
+    block["acceptance_rate"] = block["num_accepted_tokens"] / block["num_draft_tokens"] \
+        if block["num_draft_tokens"] else None
+    block["mean_accepted_length"] = 1 + block["num_accepted_tokens"] / drafts if drafts else None
+    block["acceptance_by_position"] = [per_pos[p] / drafts if drafts else None for p in sorted(per_pos)]
+    return block
 
 
 # --- the report --------------------------------------------------------------
@@ -437,11 +468,22 @@ def format_table(report: dict) -> str:
         lines.append(f"cost: {_num(s['cost_total'])} total, {_num(s['cost_per_successful_request'])}"
                      f" per successful request, {_num(s['cost_per_good_request'])} per good "
                      f"request, {_num(s['cost_per_million_output_tokens'])} per 1M output tokens")
+    spec = report.get("server_metrics", {}).get("spec_decode")
+    if spec is not None:
+        lines.append(_spec_decode_line(spec, s["tpot"]))
     server = report.get("server_metrics", {}).get("series", {})
     for name, points in server.items():
         values = [v for _, v in points]
         lines.append(f"server {name}: mean {sum(values) / len(values):.3g}, max {max(values):.3g}")
     return "\n".join(lines)
+
+
+def _spec_decode_line(spec: dict, tpot: dict) -> str:
+    """The server's acceptance beside the client's TPOT: what speculation bought."""
+    by_position = ", ".join(_pct(v) for v in spec["acceptance_by_position"])
+    return (f"server speculative decoding: {spec['num_drafts']:.0f} drafts, acceptance "
+            f"{_pct(spec['acceptance_rate'])}, {_num(spec['mean_accepted_length'])} tokens per verifying step, "
+            f"by position [{by_position}]; client TPOT p50 {_ms(tpot['p50'])} ms, p99 {_ms(tpot['p99'])} ms")
 
 
 def _num(value: float | None) -> str:

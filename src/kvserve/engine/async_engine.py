@@ -45,6 +45,7 @@ from kvserve.admission.step_limits import StepLimits
 from kvserve.contract import Request, RequestTimestamps
 from kvserve.engine.core import EngineCore
 from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.speculative import SpecDecodeCounts
 from kvserve.engine.warm_up import MeasuredStep, warm_up
 from kvserve.scheduler.scheduler import SchedulerStats
 
@@ -79,6 +80,7 @@ class StepReport:
     stats: SchedulerStats | None  # after the step
     limits: StepLimits | None = None  # what admission limited the step to (None: no admission)
     queue_waits: list[QueueWait] = field(default_factory=list)  # of the requests the step started
+    spec_decode: SpecDecodeCounts | None = None  # the step's draft verifications (None: speculation off)
 
 
 @dataclass
@@ -264,7 +266,8 @@ class AsyncEngine:
                                            result.captured_graph)
         finished += self._finish([o for o in result.outputs if o.finished and o.request_id not in outgrown])
         self._post(result.outputs, StepReport(step_s, result.num_decode_seqs, result.num_prefill_tokens,
-                                              finished, self.core.stats(), limits, queue_waits))
+                                              finished, self.core.stats(), limits, queue_waits,
+                                              result.spec_decode))
         return True
 
     def _before_step(self, finished: list[Finished]) -> StepLimits | None:

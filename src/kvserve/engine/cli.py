@@ -24,6 +24,7 @@ def add_engine_arguments(group: flags.ArgumentTarget) -> None:
     flags.add_kv_cache_arguments(group)
     flags.add_batching_arguments(group)
     flags.add_runtime_arguments(group)
+    flags.add_speculative_arguments(group)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -33,7 +34,7 @@ def engine_options(args: argparse.Namespace) -> dict:
             "block_size": args.block_size, "enable_prefix_caching": not args.no_prefix_caching,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "enforce_eager": args.enforce_eager,
-            "quantization": args.quantization}
+            "quantization": args.quantization, "speculative_config": args.speculative_config}
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -22,9 +22,10 @@ from typing import NamedTuple
 import torch
 
 from kvserve.admission.step_limits import StepLimits
-from kvserve.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig, SchedulerConfig, parse_size
+from kvserve.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig, SchedulerConfig, SpeculativeConfig, parse_size
 from kvserve.contract import InvalidParameter, Request, RequestFactory, RequestStatus, ResolvedVersions, SamplingParams
 from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.speculative import SpecDecodeCounts, Speculator
 from kvserve.model_facts.config import ModelConfig
 from kvserve.model.detokenizer import IncrementalDetokenizer
 from kvserve.model.sampler import SamplerOutput, SamplingState, TokenLogprob
@@ -58,6 +59,8 @@ class EngineConfig:
     # auto: the file's quantized matrices stay quantized; none: the float path;
     # q8_0 / q4_0 / q4_1: every matrix in that type (model/quantized.py)
     quantization: str = "auto"
+    # Speculative decoding (None: off); a JSON text or dict of vLLM's keys is parsed.
+    speculative_config: SpeculativeConfig | None = None
 
     @classmethod
     def from_sizes(cls, kv_cache_memory: str | int = DEFAULT_KV_CACHE_MEMORY, **fields) -> "EngineConfig":
@@ -70,6 +73,7 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 tokens, got {self.max_model_len}")
         check_quantization(self.quantization)
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
 
 class StepResult(NamedTuple):
@@ -78,6 +82,8 @@ class StepResult(NamedTuple):
     outputs: list[RequestOutput]  # every request that got a token or finished
     scheduled: SchedulerOutput  # the batch that ran: its chunks, the requests it started and when
     captured_graph: bool  # the step captured a CUDA graph: its time holds that one-off cost
+    # What the step's draft verifications did (None: speculation off).
+    spec_decode: SpecDecodeCounts | None = None
 
     @property
     def num_decode_seqs(self) -> int:
@@ -149,6 +155,15 @@ class EngineCore:
         # Structured outputs: compiled off the engine thread, cached per schema.
         # The server may `submit` a request's constraint before adding it.
         self.structured = GrammarCompiler(tokenizer, model_config.vocab_size)
+        self.speculator = None if config.speculative_config is None else Speculator(
+            config.speculative_config, self.scheduler, self._draft_model(config.speculative_config))
+
+    def _draft_model(self, config: SpeculativeConfig):
+        if config.method != "draft_model":
+            return None
+        from kvserve.runner.draft_model import DraftModelProposer
+
+        return DraftModelProposer.load(config, self.runner, self.scheduler)
 
     # -- requests in and out -------------------------------------------------
     def new_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
@@ -231,6 +246,8 @@ class EngineCore:
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
+        if self.speculator is not None:
+            self.speculator.forget([request_id])
         return self._output(self._pop_state(request_id), [], [], "")
 
     def has_unfinished(self) -> bool:
@@ -282,42 +299,70 @@ class EngineCore:
         failed = self._start_compiled()
         scheduled = self.scheduler.schedule()
         captures = self.runner.num_graph_captures
-        sampled = self.runner.execute(scheduled, self._sampling_states)
+        speculator = self.speculator
+        sampled = self.runner.execute(scheduled, self._sampling_states,
+                                      None if speculator is None else speculator.draft_probs)
         outputs = failed + self._process(scheduled, sampled)
-        return StepResult(outputs, scheduled, self.runner.num_graph_captures != captures)
+        spec_decode = None
+        if speculator is not None:
+            spec_decode = speculator.count(scheduled, sampled)
+            speculator.forget(o.request_id for o in outputs if o.finished)
+            speculator.propose(self._sampling_states)
+        return StepResult(outputs, scheduled, self.runner.num_graph_captures != captures, spec_decode)
 
     def _process(self, scheduled: SchedulerOutput, sampled: SamplerOutput) -> list[RequestOutput]:
-        progressed = self.scheduler.update(scheduled, sampled.token_ids)
+        # Where each verifying request's output stood: it may gain several tokens.
+        num_before = {c.request.request_id: c.request.num_output_tokens for c in scheduled.chunks
+                      if c.spec_token_ids}
+        progressed = self.scheduler.update(scheduled, sampled.token_ids, sampled.num_accepted)
         # Finished while scheduling (outgrew the whole KV cache): report with held-back text.
         outputs = []
         for request in scheduled.finished:
             state = self._pop_state(request.request_id)
             outputs.append(self._output(state, [], [], state.detokenizer.flush()))
         for request in progressed:
-            token_id = request.output_token_ids[-1]
-            outputs.append(self._emit(request, token_id, sampled.logprobs.get(request.request_id)))
+            rid = request.request_id
+            start = num_before.get(rid)
+            if start is None:
+                outputs.append(self._emit(request, request.output_token_ids[-1:], [sampled.logprobs.get(rid)]))
+                continue
+            logprobs = [*sampled.accepted_logprobs.get(rid, ()), sampled.logprobs.get(rid)]
+            outputs.append(self._emit(request, request.output_token_ids[start:], logprobs))
         return outputs
 
-    def _emit(self, request: Request, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
+    def _emit(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> RequestOutput:
+        """Stream the tokens the step appended to `request` (several when drafts
+        were accepted) through its grammar and detokenizer; a stop string
+        completed part-way ends the request there, the tokens after it dropped."""
         state = self._states[request.request_id]
-        if state.sampling is not None and state.sampling.grammar is not None:
-            self._advance_grammar(request, state.sampling, token_id)
-        delta = state.detokenizer.push(token_id)
-        new_text = delta.new_text
-        if delta.stopped and request.is_finished:
+        new_text = ""
+        new_logprobs: list[TokenLogprob] = []
+        stopped = False
+        for index, token_id in enumerate(token_ids):
+            if state.sampling is not None and state.sampling.grammar is not None:
+                self._advance_grammar(request, state.sampling, token_id)
+            delta = state.detokenizer.push(token_id)
+            new_text += delta.new_text
+            logprob = logprobs[index] if index < len(logprobs) else None
+            if state.logprobs is not None and logprob is not None:
+                state.logprobs.append(logprob)
+                new_logprobs.append(logprob)
+            if delta.stopped:
+                stopped = True
+                _drop_last_tokens(request, len(token_ids) - index - 1)
+                token_ids = token_ids[:index + 1]
+                break
+        if stopped and request.is_finished:
             # Hit max_tokens on the same token that completed a stop string: the
             # text ends at the stop string, so the reason is "stop" (already freed).
             request.status = RequestStatus.FINISHED_STOPPED
-        elif delta.stopped:
+        elif stopped:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
         elif request.is_finished:
             new_text += state.detokenizer.flush()  # text held back for a stop string that never came
-        if state.logprobs is not None and logprob is not None:
-            state.logprobs.append(logprob)
         if request.is_finished:
             self._pop_state(request.request_id)
-        new_logprobs = [logprob] if state.logprobs is not None and logprob is not None else []
-        return self._output(state, [token_id], new_logprobs, new_text)
+        return self._output(state, token_ids, new_logprobs if state.logprobs is not None else [], new_text)
 
     def _advance_grammar(self, request: Request, sampling: SamplingState, token_id: int) -> None:
         """Advance the constraint by the sampled token; once the constraint is
@@ -346,3 +391,11 @@ class EngineCore:
             num_cached_tokens=request.num_cached_tokens, timestamps=request.timestamps,
             logprobs=None if state.logprobs is None else list(state.logprobs),
             new_logprobs=None if state.logprobs is None else new_logprobs)
+
+
+def _drop_last_tokens(request: Request, num_tokens: int) -> None:
+    """Undo the last `num_tokens` appended outputs (accepted drafts after a
+    stop string): the request ends at the stop string's token."""
+    if num_tokens:
+        del request.output_token_ids[-num_tokens:]
+        del request.timestamps.token_times[-num_tokens:]

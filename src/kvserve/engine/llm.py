@@ -24,18 +24,22 @@ class LLM:
                  kv_cache_memory: str | int = DEFAULT_KV_CACHE_MEMORY, block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  device: str | None = None, max_model_len: int | None = None, seed: int = 0,
-                 enforce_eager: bool = False, quantization: str = "auto") -> None:
+                 enforce_eager: bool = False, quantization: str = "auto",
+                 speculative_config: dict | str | None = None) -> None:
         """Load `model` (None: the embedded SmolLM2-135M-Instruct; a *.gguf file or a
         Hugging Face folder) and size the KV cache to `kv_cache_memory` ("2GiB", bytes, or
         "auto": what the resident weights leave of 1.5 GiB; default 1GiB, as `kvserve serve`).
         quantization: "auto" (a GGUF's Q8_0 / Q4_0 / Q4_1 matrices computed quantized),
         "none" (the float path, the reference), or "q8_0" / "q4_0" / "q4_1" (every matrix
-        in that type)."""
+        in that type). speculative_config: speculative decoding with vLLM's keys, e.g.
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2} or {"method": "draft_model", "model": PATH,
+        "num_speculative_tokens": 4} (config.SpeculativeConfig)."""
         config = EngineConfig.from_sizes(
             kv_cache_memory, dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             device=device, max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
-            quantization=quantization)
+            quantization=quantization, speculative_config=speculative_config)
         loaded = load_model(model, quantization=quantization)
         self.engine = EngineCore(loaded.config, loaded.weights, loaded.tokenizer, config,
                                  versions=loaded.versions)

@@ -178,6 +178,20 @@ class KVCacheManager:
         if blocks:
             self.pool.release(reversed(blocks))
 
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Release the request's blocks past the first `num_tokens` tokens'
+        (slots allocated for draft tokens that were rejected). Those blocks
+        hold no registered prefix: only computed full blocks are registered."""
+        rid = request.request_id
+        held = self._blocks.get(rid)
+        keep = -(-num_tokens // self.block_size)
+        if held is None or len(held) <= keep:
+            return
+        tail = held[keep:]
+        del held[keep:]
+        del self._block_ids[rid][keep:]
+        self.pool.release(reversed(tail))
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block no request holds and zero the prefix-cache
         totals (as vLLM's reset_prefix_cache resets its prefix stats)."""

@@ -19,7 +19,7 @@ sampler's generator; the global RNG is never touched.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,6 +31,9 @@ from kvserve.structured import GrammarMatcher, bitmask_words, fill_next_token_bi
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio odd constant: spreads (seed, position) pairs apart
 _SEED_MASK = (1 << 63) - 1
+# Another odd constant for a request's other streams (a draft model's draws).
+# It must change the low 32 bits: a CPU generator keeps only those of its seed.
+_STREAM_MIX = 0x632BE59BD9B4E019
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,10 @@ class SamplerOutput:
 
     token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprob]
+    # Requests that verified drafts (runner/rejection_sampler.py): how many
+    # drafts were accepted before token_ids[request_id], and their logprobs.
+    num_accepted: dict[str, int] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 class SamplingState:
@@ -194,6 +201,16 @@ class Sampler:
         logits[rows] = sub - frequency * counts - presence * (counts > 0)
 
     def _sample_random(self, logits: Tensor, requests: Sequence[Request]) -> Tensor:
+        probs = self.probs(logits, requests)
+        noise = torch.empty_like(probs)
+        for row, request in enumerate(requests):
+            noise[row].exponential_(generator=self.generator_at(request, request.num_output_tokens))
+        return race(probs, noise)
+
+    @staticmethod
+    def probs(logits: Tensor, requests: Sequence[Request]) -> Tensor:
+        """[S, V] the distribution a random row draws from: softmax of the
+        logits over temperature, within top-k / top-p (row i: requests[i])."""
         params = [r.sampling_params for r in requests]
         temperature = torch.tensor([p.temperature for p in params], device=logits.device)
         scaled = logits / temperature[:, None]
@@ -201,19 +218,18 @@ class Sampler:
             top_k = torch.tensor([p.top_k for p in params], device=logits.device)
             top_p = torch.tensor([p.top_p for p in params], device=logits.device)
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
-        probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        for row, request in enumerate(requests):
-            noise[row].exponential_(generator=self._generator_for(request))
-        # A zero draw would make 0/0; Exp(1) draws this small are vanishingly rare anyway.
-        return (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+        return scaled.softmax(dim=-1)
 
-    def _generator_for(self, request: Request) -> torch.Generator:
+    def generator_at(self, request: Request, position: int, stream: int = 0) -> torch.Generator:
+        """The generator a request draws its output token `position` with: for
+        a seeded request, derived from (seed, position, stream) alone, so the
+        draw does not depend on the batch; else the sampler's own. `stream`
+        keeps other users of the request's seed (a draft model) apart."""
         seed = request.sampling_params.seed
         if seed is None:
             return self.generator
         generator = torch.Generator(device=self.device)
-        generator.manual_seed((seed * _SEED_MIX + request.num_output_tokens) & _SEED_MASK)
+        generator.manual_seed(((seed * _SEED_MIX + position) ^ (stream * _STREAM_MIX)) & _SEED_MASK)
         return generator
 
     @staticmethod
@@ -226,6 +242,18 @@ class Sampler:
         table = torch.log_softmax(logits[index], dim=-1)
         return {rid: (table[j], requests[i].sampling_params.logprobs)
                 for j, (rid, i) in enumerate(rows.items())}
+
+
+def race(probs: Tensor, noise: Tensor) -> Tensor:
+    """argmax(probs / noise) per row, noise ~ Exp(1): token i wins with
+    probability probs[i] / sum(probs) (unnormalised rows are fine)."""
+    # A zero draw would make 0/0; Exp(1) draws this small are vanishingly rare anyway.
+    return (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+
+
+def logprob_of(row: Tensor, num_top: int, token_id: int) -> TokenLogprob:
+    """A token's logprob and the top `num_top` of one log_softmax row [V]."""
+    return _pick(row, num_top, token_id)
 
 
 def _pick(row: Tensor, num_top: int, token_id: int) -> TokenLogprob:

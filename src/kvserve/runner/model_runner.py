@@ -20,6 +20,7 @@ from kvserve.model.llama import LlamaModel
 from kvserve.model.quantized import prepare_weights
 from kvserve.model.sampler import Sampler, SamplerOutput, SamplingState
 from kvserve.runner.decode_graphs import DecodeGraphs
+from kvserve.runner.rejection_sampler import RejectionSampler
 from kvserve.runner.step_batch import build_step_batch
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ class ModelRunner:
         self.kv_cache[:, self.scratch_slot].zero_()
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed=seed, device=self.device)
+        self.rejection_sampler = RejectionSampler(self.sampler)
         formats = ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in self.model.weight_formats().items())
         log.info("resident weights %.1f MiB (%s); KV cache %.1f MiB = %d blocks of %d tokens",
                  self.weight_bytes / 2**20, formats, self.num_blocks * kv_bytes_per_block(
@@ -90,11 +92,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: "SchedulerOutput",
-                sampling_states: Mapping[str, SamplingState] | None = None) -> SamplerOutput:
+                sampling_states: Mapping[str, SamplingState] | None = None,
+                draft_probs: Mapping[str, Tensor] | None = None) -> SamplerOutput:
         """Run one forward pass over the scheduled chunks; write their K/V into the
         cache and sample one token for every chunk that reaches its request's end.
         `sampling_states`: request_id -> the sampler's per-request state (masks,
-        penalties, bias) for the requests that have one."""
+        penalties, bias) for the requests that have one. A chunk with drafts
+        is verified (runner/rejection_sampler.py); `draft_probs`: request_id
+        -> [k, V] the distributions a draft model drew its drafts from."""
         chunks = scheduler_output.chunks
         if not chunks:
             return SamplerOutput({}, {})
@@ -102,16 +107,16 @@ class ModelRunner:
             # Kernel launches, graph capture and replay go to the current
             # device's stream: make that this runner's device (e.g. cuda:1).
             with torch.cuda.device(self.device):
-                return self._execute(chunks, sampling_states)
-        return self._execute(chunks, sampling_states)
+                return self._execute(chunks, sampling_states, draft_probs)
+        return self._execute(chunks, sampling_states, draft_probs)
 
     @property
     def num_graph_captures(self) -> int:
         """CUDA graphs captured so far: a step that raised it paid a one-off capture."""
         return 0 if self.decode_graphs is None else self.decode_graphs.num_captured
 
-    def _execute(self, chunks: Sequence["ScheduledChunk"],
-                 sampling_states: Mapping[str, SamplingState] | None) -> SamplerOutput:
+    def _execute(self, chunks: Sequence["ScheduledChunk"], sampling_states: Mapping[str, SamplingState] | None,
+                 draft_probs: Mapping[str, Tensor] | None) -> SamplerOutput:
         if self.decode_graphs is not None and self.decode_graphs.accepts(chunks):
             return self.sampler.sample(self.decode_graphs.run(chunks), [c.request for c in chunks],
                                        sampling_states)
@@ -120,4 +125,29 @@ class ModelRunner:
         if not batch.sample_requests:
             return SamplerOutput({}, {})
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+        if batch.num_draft_chunks:
+            return self._sample_and_verify(logits, [c for c in chunks if c.samples], sampling_states, draft_probs)
         return self.sampler.sample(logits, batch.sample_requests, sampling_states)
+
+    def _sample_and_verify(self, logits: Tensor, sampling: Sequence["ScheduledChunk"],
+                           sampling_states: Mapping[str, SamplingState] | None,
+                           draft_probs: Mapping[str, Tensor] | None) -> SamplerOutput:
+        """logits: [S, V] rows of `sampling` chunks in order (1 + k for a chunk
+        with k drafts): plain rows sampled, verifying chunks' rows verified."""
+        plain_rows, draft_rows, row = [], [], 0
+        for chunk in sampling:
+            n = 1 + len(chunk.spec_token_ids)
+            if chunk.spec_token_ids:
+                draft_rows.extend(range(row, row + n))
+            else:
+                plain_rows.append(row)
+            row += n
+        drafting = [c for c in sampling if c.spec_token_ids]
+        out = self.rejection_sampler.verify(logits[draft_rows], [c.request for c in drafting],
+                                            [c.spec_token_ids for c in drafting], draft_probs)
+        if plain_rows:
+            plain = self.sampler.sample(logits[plain_rows], [c.request for c in sampling if not c.spec_token_ids],
+                                        sampling_states)
+            out.token_ids.update(plain.token_ids)
+            out.logprobs.update(plain.logprobs)
+        return out

@@ -29,8 +29,11 @@ class StepBatch:
 
     token_ids: Tensor  # [T]
     meta: AttentionMetadata
-    sample_rows: Tensor  # [S] row of the last token of each sampling chunk
-    sample_requests: list  # [S] contract.Request
+    # [S] rows sampled: the last token of each sampling chunk, or every
+    # token of a chunk verifying drafts (its 1 + k rows, in order)
+    sample_rows: Tensor
+    sample_requests: list  # contract.Request of each sampling chunk, in chunk order
+    num_draft_chunks: int = 0  # sampling chunks that verify drafts
 
 
 
@@ -67,8 +70,12 @@ def build_step_batch(chunks: Sequence["ScheduledChunk"], block_size: int,
     def to(array: np.ndarray) -> Tensor:
         return torch.from_numpy(array).to(device)
 
-    token_ids = list(chain.from_iterable(
-        c.request.token_ids_slice(c.start, c.start + c.num_new_tokens) for c in chunks))
+    token_ids = list(chain.from_iterable(_chunk_tokens(c) for c in chunks))
+    drafting = [i for i in sampling if chunks[i].spec_token_ids]
+    sample_rows = cu_tokens[1:][sampling] - 1
+    if drafting:  # a verifying chunk samples all its rows
+        sample_rows = np.concatenate([np.arange(cu_tokens[i], cu_tokens[i + 1]) if chunks[i].spec_token_ids
+                                      else cu_tokens[i + 1:i + 2] - 1 for i in sampling])
     meta = AttentionMetadata(
         positions=to(positions), slot_mapping=to(slot_mapping), query_index=to(query_index),
         context_slots=to(context_slots), attn_mask=None if attn_mask is None else to(attn_mask),
@@ -76,8 +83,15 @@ def build_step_batch(chunks: Sequence["ScheduledChunk"], block_size: int,
         block_table=to(block_table), block_size=block_size)
     return StepBatch(
         token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device), meta=meta,
-        sample_rows=to(cu_tokens[1:][sampling] - 1),
-        sample_requests=[chunks[i].request for i in sampling])
+        sample_rows=to(sample_rows), sample_requests=[chunks[i].request for i in sampling],
+        num_draft_chunks=len(drafting))
+
+
+def _chunk_tokens(chunk: "ScheduledChunk") -> list[int]:
+    """The chunk's input tokens: the request's, then any drafts after them."""
+    if not chunk.spec_token_ids:
+        return chunk.request.token_ids_slice(chunk.start, chunk.start + chunk.num_new_tokens)
+    return chunk.request.token_ids_slice(chunk.start, chunk.start + 1) + list(chunk.spec_token_ids)
 
 
 def _causal_mask(positions: np.ndarray, query_index: np.ndarray, num_seqs: int, max_query_len: int,

@@ -10,6 +10,15 @@ limited to steps that decode someone, decided as the step is built):
 3. waiting requests start in policy order (scheduler/policy.py), their
    prompt chunked to what budget is left, so a long prompt never stalls decode.
 
+Speculative decoding: a decoding request that carries draft tokens
+(`Request.spec_token_ids`, proposed after the previous step) asks for
+1 + k tokens: its last token and the drafts, verified in the same forward
+pass. The drafts count against the token budget and get KV slots for the
+step; they are dropped (never preempting anyone) when the budget or the
+cache has no room for them, and the slots of rejected drafts are released
+in update(). Drafts never reach past the request's max_tokens or the
+model's context, so lookahead never needs more KV than admission projected.
+
 When the KV cache has no room for a running request, the scheduler preempts
 the lowest-priority, latest-arrived running request not yet scheduled this
 step (possibly the one asking): its blocks are freed and it returns to the
@@ -52,6 +61,9 @@ class ScheduledChunk(NamedTuple):
     # at its last position is sampled (False mid-prefill). Fixed at schedule
     # time: update() appends a token and changes the request's length.
     samples: bool
+    # Draft tokens run after the request's last token (speculative decoding):
+    # num_new_tokens = 1 + len(spec_token_ids), every position sampled.
+    spec_token_ids: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -228,6 +240,13 @@ class Scheduler:
             rid = request.request_id
             if rid not in running:
                 continue  # preempted earlier in this step
+            if request.spec_token_ids:
+                chunk = self._schedule_drafts(request, remaining, budget)
+                if chunk is not None:
+                    done.add(rid)
+                    chunks.append(chunk)
+                    budget -= chunk.num_new_tokens
+                    continue
             num_new = remaining if remaining < budget else budget
             if kv.allocate_slots(request, num_new) is None and \
                     not self._preempt_until_allocated(request, num_new, unscheduled, done, out, now):
@@ -237,6 +256,28 @@ class Scheduler:
                                          num_new == remaining))
             budget -= num_new
         return budget
+
+    def _schedule_drafts(self, request: Request, remaining: int, budget: int) -> ScheduledChunk | None:
+        """The chunk verifying a decoding request's drafts, their KV slots
+        allocated; None (drafts dropped) when the request is not decoding or
+        the budget or the cache has no room for at least one of them."""
+        drafts = request.spec_token_ids
+        request.spec_token_ids = []
+        if remaining != 1:
+            return None
+        num_drafts = min(len(drafts), budget - 1, self.max_spec_tokens(request))
+        if num_drafts <= 0 or self.kv_cache.allocate_slots(request, 1 + num_drafts) is None:
+            return None
+        return ScheduledChunk(request, request.num_computed_tokens, 1 + num_drafts,
+                              self.kv_cache.block_ids(request.request_id), True, tuple(drafts[:num_drafts]))
+
+    def max_spec_tokens(self, request: Request) -> int:
+        """The most draft tokens a decoding request may verify in one step: all
+        accepted plus the step's own token must stay within max_tokens and
+        the model's context (the stop rules of `stop_status`)."""
+        num_output = len(request.output_token_ids)
+        return max(0, min(request.sampling_params.max_tokens - num_output - 1,
+                          self.config.max_model_len - len(request.prompt_token_ids) - num_output - 1))
 
     def _preempt_until_allocated(self, request: Request, num_new: int, unscheduled: list[Request],
                                  done: set[str], out: SchedulerOutput, now: float) -> bool:
@@ -270,6 +311,7 @@ class Scheduler:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(request, front=True)
@@ -308,9 +350,15 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running[request.request_id] = request
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int],
+               num_accepted: Mapping[str, int] | None = None) -> list[Request]:
         """Apply a step's results: advance progress, append sampled tokens, finish
-        and free requests that stop. Returns the requests that received a token."""
+        and free requests that stop. Returns the requests that received a token.
+
+        A chunk with drafts appends its first `num_accepted[request_id]`
+        drafts, then the sampled token (drawn at the first rejected position,
+        or after the last draft), stopping at the first token that ends the
+        request; the KV slots of rejected drafts are released."""
         now = self.clock()
         progressed = []
         kv_cache = self.kv_cache
@@ -318,6 +366,11 @@ class Scheduler:
             request = chunk.request
             if request.status != _RUNNING:
                 continue  # finished from outside between schedule and update
+            if chunk.spec_token_ids:
+                accepted = num_accepted.get(request.request_id, 0) if num_accepted else 0
+                self._update_verified(chunk, accepted, sampled_token_ids[request.request_id], now)
+                progressed.append(request)
+                continue
             request.num_computed_tokens = chunk.start + chunk.num_new_tokens
             kv_cache.cache_computed_blocks(request)
             if not chunk.samples:
@@ -333,6 +386,24 @@ class Scheduler:
                 self.finish(request, status, now)
             progressed.append(request)
         return progressed
+
+    def _update_verified(self, chunk: ScheduledChunk, num_accepted: int, token_id: int, now: float) -> None:
+        request = chunk.request
+        if not 0 <= num_accepted <= len(chunk.spec_token_ids):
+            raise ValueError(f"{num_accepted} drafts accepted of {len(chunk.spec_token_ids)}")
+        stamps = request.timestamps
+        for token in (*chunk.spec_token_ids[:num_accepted], token_id):
+            request.output_token_ids.append(token)
+            stamps.token_times.append(now)
+            status = self.stop_status(request, token)
+            if status is not None:
+                self.finish(request, status, now)
+                return
+        # KV is computed for the last token and the accepted drafts; the
+        # sampled token is the new last token, its slot kept for the next step.
+        request.num_computed_tokens = chunk.start + 1 + num_accepted
+        self.kv_cache.cache_computed_blocks(request)
+        self.kv_cache.free_tail(request, request.num_computed_tokens + 1)
 
     # -- when a request stops ------------------------------------------------
     def stop_status(self, request: Request, token_id: int) -> RequestStatus | None:

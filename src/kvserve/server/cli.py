@@ -26,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.add_kv_cache_arguments(model)
     flags.add_batching_arguments(model)
     flags.add_runtime_arguments(model)
+    flags.add_speculative_arguments(model)
     from kvserve.server import simulated
 
     simulated.add_arguments(parser)

@@ -140,6 +140,10 @@ class Serving:
                                       s.prefix_cache_queries, s.prefix_cache_hits)
         if report.limits is not None:
             self._record_limits(report.limits)
+        if report.spec_decode is not None:
+            spec = report.spec_decode
+            self.metrics.record_spec_decode(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                                            spec.accepted_per_pos)
 
     def _record_limits(self, limits: StepLimits) -> None:
         self.metrics.running_cap.set(limits.max_running)

@@ -22,7 +22,7 @@ from pathlib import Path
 from kvserve import compiled, flags
 from kvserve.bench import cli as bench_cli
 from kvserve.bench.report import SLO, build_report, format_table, parse_slo, write_report
-from kvserve.config import CacheConfig, SchedulerConfig, parse_size
+from kvserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig, parse_size
 from kvserve.model_facts.memory import blocks_in, dtype_bytes, num_kv_blocks
 from kvserve.plan import kv_math
 from kvserve.plan.cli import add_model_arguments, weight_bytes_of
@@ -32,6 +32,7 @@ from kvserve.plan.roofline import RooflineCostModel
 from kvserve.sim.cost_model import CostModel, LinearCostModel, resolve_hardware, with_step_jitter
 from kvserve.fleet.router import ROUTERS
 from kvserve.sim.simulator import AutoscaleConfig, SimConfig, Simulator
+from kvserve.sim.speculation import SimSpeculation
 
 # Above this many requests a run keeps (first, last) token times per request
 # instead of every token (memory), and report.json keeps every k-th request's
@@ -98,6 +99,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="pre-started replicas: the first scale-outs serve after --warm-start instead")
     sim.add_argument("--warm-start", type=float, default=0.0,
                      help="seconds from scale-out to serving for a warm-pool replica")
+    flags.add_speculative_arguments(sim)
+    sim.add_argument("--spec-acceptance-rate", type=float, default=None,
+                     help="simulate speculative decoding (--speculative-config's k and policy; ngram by "
+                          "default): each draft is accepted with this probability (0..1) given the ones "
+                          "before it were; kvserve bench's server acceptance figures measure it")
+    sim.add_argument("--spec-proposer-cost-ms", type=float, default=0.0,
+                     help="with --spec-acceptance-rate: proposer time per draft position per step "
+                          "(milliseconds; a draft model's decode step, ~0 for prompt lookup)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -180,7 +189,17 @@ def sim_config(args: argparse.Namespace, spec: ModelSpec, num_blocks: int) -> Si
         cache=CacheConfig(num_blocks=num_blocks, block_size=args.block_size,
                           enable_prefix_caching=not args.no_prefix_caching),
         admission=admission, num_replicas=args.replicas, router=args.router, autoscale=autoscale,
-        frontend_latency_s=args.frontend_latency_ms / 1000.0)
+        frontend_latency_s=args.frontend_latency_ms / 1000.0, speculation=sim_speculation(args))
+
+
+def sim_speculation(args: argparse.Namespace) -> SimSpeculation | None:
+    """--spec-acceptance-rate and friends -> the simulated speculation (None: off)."""
+    if args.spec_acceptance_rate is None:
+        if args.speculative_config is not None:
+            raise ValueError("--speculative-config in a simulation needs --spec-acceptance-rate")
+        return None
+    config = SpeculativeConfig.parse(args.speculative_config) or SpeculativeConfig()
+    return SimSpeculation(args.spec_acceptance_rate, args.spec_proposer_cost_ms / 1000.0, config, args.seed)
 
 
 def report_rows_every(num_requests: int) -> int:

@@ -42,6 +42,7 @@ from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput
 from kvserve.sim.clock import VirtualClock
 from kvserve.sim.cost_model import CostModel, StepShape, chunk_shape, decode_step_ends_s
 from kvserve.sim.fast_forward import ActiveRun, RunLengths, plan_decode_run
+from kvserve.sim.speculation import SimSpeculation, SimulatedDrafts
 
 # The token every simulated step "samples": any id that is not EOS works,
 # since requests run with ignore_eos.
@@ -86,7 +87,8 @@ class Replica:
     def __init__(self, index: int, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  admission_config: AdmissionConfig | None, cost_model: CostModel, host: ReplicaHost,
                  clock: VirtualClock, ready_s: float, sim_clock: VirtualClock, *,
-                 fast_forward: bool = True, record_trace: bool = False) -> None:
+                 fast_forward: bool = True, record_trace: bool = False,
+                 speculation: SimSpeculation | None = None) -> None:
         self.index = index
         self.name = f"replica-{index}"  # its identity on the router's hash ring
         self.ready_s = ready_s
@@ -96,7 +98,10 @@ class Replica:
         self.sim_clock = sim_clock  # the simulation's now, which `load` answers for
         self.cost_model = cost_model
         self.host = host
-        self.fast_forward = fast_forward
+        # Speculation: single steps only (a decode run assumes one token per step).
+        self.drafts = None if speculation is None else SimulatedDrafts(speculation, SIM_TOKEN_ID)
+        self.fast_forward = fast_forward and speculation is None
+        self.proposer_s = 0.0  # the proposer's time before the next step
         self.scheduler = Scheduler(scheduler_config, cache_config, clock)
         self.trace: list[tuple] | None = [] if record_trace else None
         self.admission: AdmissionLoop | None = None
@@ -192,7 +197,9 @@ class Replica:
         return {"index": self.index, "ready_s": self.ready_s, "num_steps": self.num_steps,
                 "busy_s": self.busy_s, "num_preemptions": s.num_preemptions,
                 "prefix_cache_queries": s.prefix_cache_queries,
-                "prefix_cache_hits": s.prefix_cache_hits}
+                "prefix_cache_hits": s.prefix_cache_hits,
+                **({} if self.drafts is None else {"spec_decode_num_draft_tokens": self.drafts.num_draft_tokens,
+                                                   "spec_decode_num_accepted_tokens": self.drafts.num_accepted_tokens})}
 
     # -- what the simulation does to it --------------------------------------
     def add(self, request: Request) -> AdmissionDecision | None:
@@ -279,7 +286,7 @@ class Replica:
         shape = chunk_shape(out.chunks)
         self.in_flight, self.in_flight_shape = out, shape
         self.step_started_s = now
-        self.host.push_step_done(self, now + self.cost_model.step_time_s(shape))
+        self.host.push_step_done(self, now + self.cost_model.step_time_s(shape) + self.proposer_s)
 
     def _expire(self, request_id: str, reason: Reason) -> None:
         """An admitted request that did not start in time: the server answers 503."""
@@ -294,7 +301,8 @@ class Replica:
         sampled = {c.request.request_id: SIM_TOKEN_ID for c in out.chunks if c.samples}
         if self.trace is not None:
             self.trace.append(("update", now))
-        progressed = self.scheduler.update(out, sampled)
+        accepted = None if self.drafts is None else self.drafts.judge(out)
+        progressed = self.scheduler.update(out, sampled, accepted)
         step_s = now - self.step_started_s
         self.num_steps += 1
         self.busy_s += step_s
@@ -305,6 +313,10 @@ class Replica:
         for request in progressed:
             if request.is_finished:
                 self.host.end(request.request_id, "success", 200, None)
+                if self.drafts is not None:
+                    self.drafts.forget(request.request_id)
+        if self.drafts is not None:
+            self.proposer_s = self.drafts.propose(self.scheduler)
         self.in_flight = None
         self._start_step()
 

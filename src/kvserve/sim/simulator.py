@@ -42,6 +42,7 @@ from kvserve.gc_pause import cyclic_gc_paused
 from kvserve.sim.clock import VirtualClock
 from kvserve.sim.cost_model import CostModel
 from kvserve.sim.replica import SIM_EOS_TOKEN_ID, SIM_TOKEN_ID, Replica, ReplicaHost
+from kvserve.sim.speculation import SimSpeculation
 
 __all__ = ["SIM_EOS_TOKEN_ID", "SIM_TOKEN_ID", "AutoscaleConfig", "SimConfig", "SimResult", "Simulator",
            "VirtualClock", "synth_prompt"]
@@ -96,6 +97,8 @@ class SimConfig:
     after its client sent it, and its record counts from the send, as
     `kvserve bench` measures. `kvserve bench`'s TTFT minus the server's
     own (vllm:time_to_first_token_seconds) measures it.
+    speculation: speculative decoding at a given acceptance rate and
+    proposer cost (sim/speculation.py); single steps only.
     """
 
     scheduler: SchedulerConfig
@@ -110,6 +113,7 @@ class SimConfig:
     cache_namespace: str = "sim"
     fast_forward: bool = True
     frontend_latency_s: float = 0.0
+    speculation: SimSpeculation | None = None
 
     def __post_init__(self) -> None:
         if not self.frontend_latency_s >= 0:
@@ -184,7 +188,8 @@ class Simulator(ReplicaHost):
     def _new_replica(self, index: int, clock: VirtualClock, ready_s: float) -> Replica:
         config = self.config
         return Replica(index, config.scheduler, config.cache, config.admission, self.cost_model, self, clock,
-                       ready_s, self.clock, fast_forward=config.fast_forward, record_trace=config.record_trace)
+                       ready_s, self.clock, fast_forward=config.fast_forward, record_trace=config.record_trace,
+                       speculation=config.speculation)
 
     # -- the loop ----------------------------------------------------------
     def run(self, specs: list[RequestSpec], offsets_s: list[float]) -> SimResult:

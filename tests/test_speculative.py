@@ -1,0 +1,311 @@
+"""Speculative decoding end to end on tiny random models: greedy output is
+token-identical with and without it (both proposers; batches, chunked
+prefill, prefix hits, preemption), sampled output keeps the target's
+distribution under the exact rule (and a naive rule is caught), stops stay
+exact when several tokens land at once, and the counters say what ran."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvserve.config import SpeculativeConfig
+from kvserve.contract import SamplingParams
+from tests.tiny_models import TINY_DIMS, random_prompts, run_to_completion, tiny_engine, tiny_llama, word_tokenizer
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "disable_by_batch_size": None, "min_acceptance_rate": 0.0}
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture(scope="module")
+def folders(hf, tmp_path_factory):
+    """The target, and a draft that agrees with it often but not always (the
+    target's weights perturbed), saved as HF folders."""
+    out = {}
+    for name, model in (("target", hf), ("near", perturbed(hf, 0.3, seed=1))):
+        folder = tmp_path_factory.mktemp(f"tiny-{name}")
+        model.save_pretrained(folder, safe_serialization=True)
+        word_tokenizer()._backend.save(str(folder / "tokenizer.json"))
+        out[name] = str(folder)
+    return out
+
+
+def repetitive_prompts(lengths, seed=0):
+    """Prompts whose second half repeats the first: prompt lookup finds drafts."""
+    return [p + p for p in random_prompts([n // 2 for n in lengths], seed=seed)]
+
+
+def token_ids(results) -> list[list[int]]:
+    return [o.token_ids for o in results.values()]
+
+
+def run(hf, prompts, params, spec=None, **fields):
+    engine = tiny_engine(hf, speculative_config=spec, **fields)
+    results = run_to_completion(engine, prompts, params)
+    engine.scheduler.kv_cache.check_integrity()
+    assert engine.scheduler.kv_cache.usage() == 0
+    return engine, results
+
+
+GREEDY_CASES = {
+    "single": dict(lengths=[24], fields={}),
+    "mixed batch": dict(lengths=[8, 30, 17, 44, 12], fields={}),
+    "chunked prefill": dict(lengths=[40, 22, 60], fields={"max_num_batched_tokens": 7}),
+    "preemption": dict(lengths=[30, 28, 26, 24], fields={"num_blocks": 40}),
+}
+
+
+@pytest.mark.parametrize("case", GREEDY_CASES, ids=list(GREEDY_CASES))
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_output_is_token_identical_with_speculation(hf, folders, case, method):
+    lengths, fields = GREEDY_CASES[case]["lengths"], GREEDY_CASES[case]["fields"]
+    prompts = repetitive_prompts(lengths)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    spec = NGRAM if method == "ngram" else {**NGRAM, "method": "draft_model", "model": folders["near"]}
+    plain_engine, plain = run(hf, prompts, params, **fields)
+    engine, speculated = run(hf, prompts, params, spec, **fields)
+    assert token_ids(speculated) == token_ids(plain)
+    totals = engine.speculator.totals
+    assert totals.num_drafts > 0 and totals.num_accepted_tokens > 0  # speculation did run, and paid
+    if case == "preemption":
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_greedy_output_is_identical_across_prefix_cache_hits(hf):
+    shared = random_prompts([16], seed=3)[0]
+    prompts = [shared + p for p in repetitive_prompts([10, 14, 18], seed=4)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    _, plain = run(hf, prompts, params)
+    engine = tiny_engine(hf, speculative_config=NGRAM)
+    first = run_to_completion(engine, prompts, params)
+    again = run_to_completion(engine, prompts, params)
+    assert engine.scheduler.kv_cache.prefix_cache_hits > 0
+    assert token_ids(first) == token_ids(plain) == token_ids(again)
+
+
+def test_a_draft_identical_to_the_target_accepts_every_token(hf, folders):
+    prompts = random_prompts([12, 20])
+    params = SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True)
+    spec = {**NGRAM, "method": "draft_model", "model": folders["target"]}
+    _, plain = run(hf, prompts, params)
+    engine, speculated = run(hf, prompts, params, spec)
+    assert token_ids(speculated) == token_ids(plain)
+    totals = engine.speculator.totals
+    assert totals.num_draft_tokens > 0
+    assert totals.num_accepted_tokens == totals.num_draft_tokens
+
+
+def test_seeded_sampled_output_does_not_depend_on_the_batch(hf, folders):
+    prompt = repetitive_prompts([20], seed=5)[0]
+    params = SamplingParams(max_tokens=30, temperature=0.3, seed=7, ignore_eos=True)
+    for spec in (NGRAM, {**NGRAM, "method": "draft_model", "model": folders["near"]}):
+        _, alone = run(hf, [prompt], params, spec)
+        engine = tiny_engine(hf, speculative_config=spec)
+        mine = engine.new_request(prompt, params)
+        others = [engine.new_request(p, SamplingParams(max_tokens=20, temperature=0.5, ignore_eos=True))
+                  for p in repetitive_prompts([9, 31, 14], seed=6)]
+        for request in [*others[:2], mine, others[2]]:
+            engine.add_request(request)
+        while engine.has_unfinished():
+            engine.step()
+        assert mine.output_token_ids == list(alone.values())[0].token_ids
+        assert engine.speculator.totals.num_accepted_tokens > 0
+
+
+# -- stops stay exact when several tokens are accepted at once --------------------
+
+def accepting_engine(hf, folders, **fields):
+    """Speculation with the target as its own draft: every draft is accepted,
+    so each verification appends k + 1 tokens and any stop lands mid-draft."""
+    return tiny_engine(hf, speculative_config={**NGRAM, "method": "draft_model", "model": folders["target"]},
+                       **fields)
+
+
+def test_stop_token_and_max_tokens_cut_a_multi_token_step(hf, folders):
+    prompt = random_prompts([10], seed=8)[0]
+    free = run_to_completion(tiny_engine(hf), [prompt], SamplingParams(max_tokens=30, ignore_eos=True))
+    reference = list(free.values())[0].token_ids
+    stop_token = reference[6]
+    first_stop = reference.index(stop_token)
+    for params, expected, reason in (
+            (SamplingParams(max_tokens=30, stop_token_ids=[stop_token]), reference[:first_stop + 1], "stop"),
+            (SamplingParams(max_tokens=7, ignore_eos=True), reference[:7], "length")):
+        engine = accepting_engine(hf, folders)
+        out = list(run_to_completion(engine, [prompt], params).values())[0]
+        assert out.token_ids == expected and out.finish_reason == reason
+        assert engine.speculator.totals.num_accepted_tokens > 0
+        assert len(out.timestamps.token_times) == len(expected)
+
+
+def test_stop_string_inside_accepted_drafts_ends_the_text_there(hf, folders):
+    prompt = random_prompts([10], seed=9)[0]
+    reference = list(run_to_completion(tiny_engine(hf), [prompt],
+                                       SamplingParams(max_tokens=30, ignore_eos=True)).values())[0]
+    params = SamplingParams(max_tokens=30, ignore_eos=True, stop=[f" t{reference.token_ids[5]} "])
+    plain = list(run_to_completion(tiny_engine(hf), [prompt], params).values())[0]
+    engine = accepting_engine(hf, folders)
+    out = list(run_to_completion(engine, [prompt], params).values())[0]
+    assert plain.finish_reason == "stop" and len(plain.token_ids) < 30
+    assert out.token_ids == plain.token_ids and out.text == plain.text and out.finish_reason == "stop"
+    assert len(out.timestamps.token_times) == len(out.token_ids)
+    assert engine.speculator.totals.num_accepted_tokens > 0
+
+
+def test_logprobs_are_exact_for_every_accepted_token(hf, folders):
+    prompt = random_prompts([12], seed=10)[0]
+    params = SamplingParams(max_tokens=15, ignore_eos=True, logprobs=3)
+    plain = list(run_to_completion(tiny_engine(hf), [prompt], params).values())[0]
+    engine = accepting_engine(hf, folders)
+    out = list(run_to_completion(engine, [prompt], params).values())[0]
+    assert engine.speculator.totals.num_accepted_tokens > 0
+    assert out.token_ids == plain.token_ids
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    for mine, reference in zip(out.logprobs, plain.logprobs):
+        assert mine.logprob == pytest.approx(reference.logprob, abs=1e-4)
+        assert [t for t, _ in mine.top] == [t for t, _ in reference.top]
+
+
+def test_streamed_deltas_add_up_with_multi_token_steps(hf, folders):
+    engine = accepting_engine(hf, folders)
+    request = engine.new_request(random_prompts([10], seed=11)[0], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.add_request(request)
+    tokens, text, sizes = [], "", []
+    while engine.has_unfinished():
+        for output in engine.step().outputs:
+            tokens += output.new_token_ids
+            text += output.new_text
+            sizes.append(len(output.new_token_ids))
+    assert max(sizes) > 1
+    assert tokens == output.token_ids and text == output.text
+
+
+# -- the distribution of sampled tokens -------------------------------------------
+
+SMALL_VOCAB = 8
+
+
+def small_vocab_llama(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    dims = {**TINY_DIMS, "vocab_size": SMALL_VOCAB, "initializer_range": 0.08}
+    return LlamaForCausalLM(LlamaConfig(**dims, eos_token_id=None, bos_token_id=None,
+                                        pad_token_id=None)).eval()
+
+
+def target_marginals(model, prompt: list[int], temperature: float) -> list[torch.Tensor]:
+    """The target's exact distributions of output tokens 1, 2 and 3 (marginal
+    over the tokens before), by enumerating every prefix."""
+    marginals = []
+    prefixes, weights = [prompt], torch.ones(1, dtype=torch.float64)
+    with torch.no_grad():
+        for _ in range(3):
+            logits = model(torch.tensor(prefixes)).logits[:, -1].double()
+            probs = torch.softmax(logits / temperature, dim=-1)  # [P, V]
+            marginals.append((weights[:, None] * probs).sum(0))
+            weights = (weights[:, None] * probs).reshape(-1)
+            prefixes = [p + [t] for p in prefixes for t in range(SMALL_VOCAB)]
+    return marginals
+
+
+def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    expected = expected_probs * counts.sum()
+    statistic = float(((counts - expected) ** 2 / expected).sum())
+    df = len(counts) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+def naive_rule(self, request, draft, p, q):
+    """The naive rule: accept a draft when it is the target's argmax, else
+    draw from the target. It skews output towards the argmax whenever the
+    drafts are random: the distribution test must catch it."""
+    from kvserve.runner.rejection_sampler import Verified
+
+    position = request.num_output_tokens
+    for j, token in enumerate(draft):
+        if token != int(p[j].argmax()):
+            return Verified(j, self._draw(p[j], self.sampler.generator_at(request, position + j)))
+    return Verified(len(draft), self._draw(p[len(draft)], self.sampler.generator_at(request, position + len(draft))))
+
+
+def sampled_token_counts(target, draft_folder, prompt, num_draws: int) -> list[torch.Tensor]:
+    """Counts of output tokens 1..3 over `num_draws` seeded requests (token 1
+    from the prefill; 2 and 3 through one verification of 2 drafts, whose
+    bonus token is the 4th)."""
+    spec = {"method": "draft_model", "model": draft_folder, "num_speculative_tokens": 2,
+            "disable_by_batch_size": None, "min_acceptance_rate": 0.0}
+    engine = tiny_engine(target, speculative_config=spec, max_num_seqs=512, max_num_batched_tokens=4096,
+                         num_blocks=2048)
+    requests = [engine.new_request(prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=seed,
+                                                          ignore_eos=True)) for seed in range(num_draws)]
+    for request in requests:
+        engine.add_request(request)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.speculator.totals.num_drafts >= num_draws  # every 2nd token came from a verification
+    counts = []
+    for position in range(3):
+        tokens = torch.tensor([r.output_token_ids[position] for r in requests])
+        counts.append(torch.bincount(tokens, minlength=SMALL_VOCAB).double())
+    return counts
+
+
+def perturbed(model, scale: float, seed: int):
+    """A copy of `model` with noise of `scale` x each weight's std added: a
+    draft that agrees with it often, not always."""
+    import copy
+
+    copy_ = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for weight in copy_.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * scale * weight.std())
+    return copy_
+
+
+@pytest.fixture(scope="module")
+def small_models(tmp_path_factory):
+    target = small_vocab_llama(0)
+    draft = perturbed(target, 0.5, seed=1)
+    folder = tmp_path_factory.mktemp("small-vocab-draft")
+    draft.save_pretrained(folder, safe_serialization=True)
+    word_tokenizer(SMALL_VOCAB)._backend.save(str(folder / "tokenizer.json"))
+    return target, str(folder)
+
+
+def test_speculative_sampling_keeps_the_target_distribution(small_models, monkeypatch):
+    """Chi-square over 2000 seeded draws: tokens 2 and 3 (drawn through the
+    exact rule with a different random draft model) follow the target's
+    marginals; the same draws under the naive rule (`naive_rule`) do not."""
+    target, draft_folder = small_models
+    prompt = [1, 5, 2, 7, 3]
+    expected = target_marginals(target, prompt, temperature=1.0)
+    counts = sampled_token_counts(target, draft_folder, prompt, 2000)
+    for position in range(3):
+        assert chi_square_p_value(counts[position], expected[position]) > 1e-3, position
+    from kvserve.runner.rejection_sampler import RejectionSampler
+
+    monkeypatch.setattr(RejectionSampler, "_verify_sampled", naive_rule)
+    naive = sampled_token_counts(target, draft_folder, prompt, 2000)
+    assert min(chi_square_p_value(naive[p], expected[p]) for p in (1, 2)) < 1e-6
+
+
+def test_speculative_config_takes_vllms_keys_and_names_bad_ones():
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, '
+                                     '"prompt_lookup_max": 5, "prompt_lookup_min": 2}')
+    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_max) == ("ngram", 3, 5)
+    assert SpeculativeConfig.parse({"method": "draft_model", "model": "x"}).model == "x"
+    for bad, words in (('{"method": "eagle"}', "method"), ('{"num_speculative_token": 3}', "unknown"),
+                       ('{"method": "draft_model"}', "model"), ("{oops", "JSON"),
+                       ('{"num_speculative_tokens": "4"}', "speculative config"), ("[1]", "object")):
+        with pytest.raises(ValueError, match=words):
+            SpeculativeConfig.parse(bad)
+    assert math.isclose(SpeculativeConfig().min_acceptance_rate, 0.15)

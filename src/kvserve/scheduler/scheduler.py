@@ -75,8 +75,10 @@ class ScheduledChunk(NamedTuple):
         cost shape, not by why the token runs: the last token of a prompt or
         of a recompute costs what a generated token's step does. Everything
         else (prefill, chunks of it, recompute after preemption) is prefill.
+        A chunk verifying k drafts is a decode too, its k drafts priced as
+        prefill tokens (`SchedulerOutput.num_prefill_tokens`).
         The server, the simulator and the cost model all use this one rule."""
-        return self.num_new_tokens == 1 and self.start > 0
+        return self.num_new_tokens == 1 + len(self.spec_token_ids) and self.start > 0
 
 
 @dataclass
@@ -102,7 +104,8 @@ class SchedulerOutput:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.chunks if not c.is_decode)
+        """Prefill chunks' tokens, and the drafts that decodes verify."""
+        return sum(len(c.spec_token_ids) if c.is_decode else c.num_new_tokens for c in self.chunks)
 
 
 class SchedulerStats(NamedTuple):

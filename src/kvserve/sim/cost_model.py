@@ -49,6 +49,7 @@ def chunk_shape(chunks) -> StepShape:
         n, start = chunk.num_new_tokens, chunk.start
         if chunk.is_decode:
             decode += 1
+            prefill += len(chunk.spec_token_ids)  # drafts verified: priced as prefill tokens
         else:
             prefill += n
         kv_read += start + n

@@ -8,16 +8,26 @@ import json
 
 from kvserve.cli import main
 from kvserve.config import SpeculativeConfig
+from kvserve.bench.arrivals import arrival_offsets, parse_arrival
+from kvserve.bench.report import build_report
+from kvserve.bench.workload import generate_requests
+from kvserve.sim.cost_model import LinearCostModel
+from kvserve.sim.simulator import Simulator
 from kvserve.sim.speculation import SimSpeculation
-from tests.test_sim_simulator import fixed_mix, replica_config, simulate
+from tests.test_sim_simulator import SLO_2S, fixed_mix, replica_config
 
 ALWAYS = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=None, min_acceptance_rate=0.0)
+# A small batch where every token a step runs costs: 5 ms per step, 1 ms per
+# prefill (or draft) token, 1 ms per decoding sequence.
+COST = LinearCostModel(intercept_s=0.005, per_prefill_token_s=1e-3, per_decode_seq_s=1e-3, per_kv_token_read_s=0.0)
 
 
-def run(speculation, rate=2.0):
-    result, summary = simulate(replica_config(None, speculation=speculation), fixed_mix(100, 60), rate=rate,
-                               seconds=20)
-    assert summary["outcomes"]["success"] == int(rate * 20)
+def run(speculation, rate=2.0, seconds=20):
+    specs = generate_requests(fixed_mix(100, 60), int(rate * seconds), seed=1)
+    offsets = arrival_offsets(parse_arrival("poisson", rate), len(specs), seed=1)
+    result = Simulator(replica_config(None, speculation=speculation), COST).run(specs, offsets)
+    summary = build_report(result.records, SLO_2S)["summary"]
+    assert summary["outcomes"]["success"] == int(rate * seconds)
     return result, summary
 
 
@@ -39,6 +49,8 @@ def test_the_policy_turns_losing_speculation_off_and_proposer_cost_counts():
     _, costly = run(SimSpeculation(0.8, 0.05, ALWAYS))
     # The acceptance EWMA falls below min_acceptance_rate after a few
     # verifications: the cost is a handful of steps, not the whole run.
+    _, always = run(SimSpeculation(0.0, 0.0, ALWAYS))
+    assert always["tpot"]["p50"] > 1.3 * off["tpot"]["p50"]
     assert guarded["tpot"]["p50"] < 1.1 * off["tpot"]["p50"]
     assert costly["tpot"]["p50"] > off["tpot"]["p50"]  # 4 x 50 ms of proposing per step outweighs it
 

@@ -309,3 +309,20 @@ def test_speculative_config_takes_vllms_keys_and_names_bad_ones():
         with pytest.raises(ValueError, match=words):
             SpeculativeConfig.parse(bad)
     assert math.isclose(SpeculativeConfig().min_acceptance_rate, 0.15)
+
+
+def test_a_requests_draft_stream_is_independent_of_its_target_stream():
+    """The draft model draws with another stream of the request's seed; a CPU
+    generator keeps only 32 bits of its seed, so the streams must differ
+    there (with the same draws, a draft and the target's residual draw are
+    correlated and the naive rule goes unnoticed)."""
+    from kvserve.contract import Request
+    from kvserve.model.sampler import Sampler
+    from kvserve.runner.draft_model import DRAFT_STREAM
+
+    sampler = Sampler()
+    request = Request("r", [1], SamplingParams(temperature=1.0, seed=3), 0.0)
+    target = torch.rand(8, generator=sampler.generator_at(request, 5))
+    draft = torch.rand(8, generator=sampler.generator_at(request, 5, DRAFT_STREAM))
+    assert torch.equal(target, torch.rand(8, generator=sampler.generator_at(request, 5)))
+    assert not torch.allclose(target, draft)

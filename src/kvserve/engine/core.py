@@ -124,6 +124,9 @@ class EngineCore:
         """runner: in place of the torch ModelRunner built from `weights`, any
         object with its `num_blocks`, `num_graph_captures` and `execute()`
         (`kvserve serve --simulate`: sim.simulated_runner.SimulatedRunner)."""
+        if runner is not None and config.speculative_config is not None:
+            raise ValueError("speculative decoding needs the model runner; `kvserve simulate "
+                             "--spec-acceptance-rate` simulates it")
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.config = config
@@ -300,8 +303,10 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         captures = self.runner.num_graph_captures
         speculator = self.speculator
-        sampled = self.runner.execute(scheduled, self._sampling_states,
-                                      None if speculator is None else speculator.draft_probs)
+        if speculator is None:
+            sampled = self.runner.execute(scheduled, self._sampling_states)
+        else:
+            sampled = self.runner.execute(scheduled, self._sampling_states, speculator.draft_probs)
         outputs = failed + self._process(scheduled, sampled)
         spec_decode = None
         if speculator is not None:
@@ -314,7 +319,8 @@ class EngineCore:
         # Where each verifying request's output stood: it may gain several tokens.
         num_before = {c.request.request_id: c.request.num_output_tokens for c in scheduled.chunks
                       if c.spec_token_ids}
-        progressed = self.scheduler.update(scheduled, sampled.token_ids, sampled.num_accepted)
+        progressed = self.scheduler.update(scheduled, sampled.token_ids,
+                                           sampled.num_accepted if num_before else None)
         # Finished while scheduling (outgrew the whole KV cache): report with held-back text.
         outputs = []
         for request in scheduled.finished:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from kvserve.config import SpeculativeConfig
 
 # Weight of the newest step in a request's acceptance EWMA.
-ACCEPTANCE_EWMA_WEIGHT = 0.3
+ACCEPTANCE_EWMA_WEIGHT = 0.5
 
 
 @dataclass

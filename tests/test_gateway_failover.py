@@ -14,7 +14,9 @@ from tests.load_helpers import wait_until
 from tests.server_helpers import MODEL_NAME
 
 # 30 ms per engine step: a 150-token request lasts ~5 s, so it is mid-way at the kill.
-BACKEND_FLAGS = ("--no-warm-up", "--step-delay", "0.03")
+# A generous queue-wait limit: the backends admit everything sent here (a backend's own
+# refusal of a cold burst is not what this test is about; test_gateway_refusals.py is).
+BACKEND_FLAGS = ("--no-warm-up", "--step-delay", "0.03", "--max-queue-wait", "30")
 FAST_HEALTH = {"scrape_interval_s": 0.25, "stale_after_s": 2.0, "breaker": {"failures": 2, "cool_down_s": 1.0},
                "router": {"policy": "round-robin"}}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -88,6 +89,10 @@ def _chat(url: str, key: str, suffix: str) -> httpx.Response:
 
 def test_prefix_affinity_keeps_a_tenants_prefix_on_one_backend(fleet):
     backends = {b.url: b for b in fleet["backends"]}
+    # The burst of the test before may still be running on one backend; affinity is bounded by
+    # load (a busy home spills), so start from an idle fleet, as the gateway's scrape sees it.
+    assert wait_until(lambda: all(backend_counter(u, "vllm:num_requests_running") == 0 for u in backends), 30)
+    time.sleep(1.0)  # a scrape interval: the gateway's views catch up
     hits_before = {u: backend_counter(u, "vllm:prefix_cache_hits_total") for u in backends}
     answers = [_chat(fleet["affine"].url, "sk-alice", f"question number {i}?") for i in range(6)]
     chosen = {r.headers["x-kvserve-backend"] for r in answers}

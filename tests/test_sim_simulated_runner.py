@@ -27,6 +27,7 @@ class FakeTime:
 
 def chunk(rid: str, start: int, n: int, samples: bool):
     return SimpleNamespace(request=SimpleNamespace(request_id=rid), start=start, num_new_tokens=n, samples=samples,
+                           spec_token_ids=(),
                            is_decode=start > 0 and n == 1)
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvserve.admission.controller import AdmissionController
-from kvserve.admission.decision import AdmissionDecision, Outcome
+from kvserve.admission.decision import AdmissionDecision, Outcome, whole_seconds
 from kvserve.admission.loop import AdmissionLoop
 from kvserve.admission.step_limits import StepLimits
 from kvserve.admission.step_time import MIN_FIT_STEPS
@@ -299,9 +299,11 @@ class Serving:
         if self.engine.dead is not None:
             return APIError(503, f"not ready: the engine failed ({self.engine.dead})", "unavailable", "not_ready")
         # Starting: warm-up takes seconds; draining: this server will not admit before its drain ends.
+        # Not a return slot (admission/retry_after.py): /ready is polled by orchestrators and
+        # balancers, and their probes must not push refused requests' slots later.
         earliest_s = self._drain_left_s() if self.draining else 1.0
         return APIError(503, "not ready (starting or shutting down)", "unavailable", "not_ready",
-                        headers={"Retry-After": str(self._retry_after_s(earliest_s))})
+                        headers={"Retry-After": str(whole_seconds(earliest_s))})
 
     def _drain_left_s(self) -> float:
         return max(0.0, self._drain_deadline - time.monotonic())

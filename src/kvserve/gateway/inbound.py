@@ -15,7 +15,6 @@ from kvserve.server import protocol
 # The gateway cannot tokenize (it fronts any server): English BPE runs
 # about 4 bytes per token, the estimate for the projected KV and quotas.
 BYTES_PER_TOKEN = 4
-RETRY_HEADERS = ("x-stainless-retry-count", "x-kvserve-retry")
 
 
 @dataclass
@@ -63,7 +62,7 @@ def read_inbound(kind: str, path: str, raw: bytes, tenant_priority: int | None, 
     model = fields.get("model") if isinstance(fields.get("model"), str) else None
     text = _prompt_text(kind, fields)
     return Inbound(kind, path, raw, body, model, fields.get("stream") is True, _max_tokens(fields),
-                   _priority(fields, tenant_priority), is_retry(headers), text,
+                   _priority(fields, tenant_priority), protocol.is_retry(headers), text,
                    _leading_bytes(kind, fields, text))
 
 
@@ -115,15 +114,3 @@ def _leading_bytes(kind: str, fields: dict, text: str) -> bytes:
     return text.encode()
 
 
-def is_retry(headers) -> bool:
-    """The server's reading of the retry headers the openai client sends."""
-    for name in RETRY_HEADERS:
-        raw = (headers.get(name) or "").strip().lower()
-        if raw in ("true", "yes"):
-            return True
-        try:
-            if int(raw) > 0:
-                return True
-        except ValueError:
-            continue
-    return False

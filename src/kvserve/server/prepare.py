@@ -41,7 +41,6 @@ Kind = Literal["completion", "chat"]
 # covers at least one byte of the text.
 ADDED_TOKENS_SLACK = 8
 DEADLINE_HEADER = "x-kvserve-deadline-s"
-RETRY_HEADERS = ("x-stainless-retry-count", "x-kvserve-retry")
 
 
 @dataclass(frozen=True)
@@ -134,7 +133,7 @@ class RequestPreparer:
         except InvalidParameter as exc:
             raise bad_request(exc) from None
         request_class = RequestClass(protocol.priority_of(body, tenant.priority), tenant.name,
-                                     is_retry(headers), deadline_of(headers, arrival))
+                                     protocol.is_retry(headers), deadline_of(headers, arrival))
         bound = self._prompt_token_bound(kind, body)
         if bound is not None and self._size_cannot_be_refused(bound, body, tenant):
             self.refuse_early(request_class)
@@ -266,15 +265,3 @@ def deadline_of(headers: Mapping[str, str], arrival: float) -> float | None:
     return arrival + seconds
 
 
-def is_retry(headers: Mapping[str, str]) -> bool:
-    """Whether the client says this is a retry (the OpenAI SDK's header, or ours)."""
-    for name in RETRY_HEADERS:
-        raw = (headers.get(name) or "").strip().lower()
-        if raw in ("true", "yes"):
-            return True
-        try:
-            if int(raw) > 0:
-                return True
-        except ValueError:
-            continue
-    return False

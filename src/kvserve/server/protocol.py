@@ -498,3 +498,22 @@ class TokenizeChatRequest(_WireModel):
 class DetokenizeRequest(_WireModel):
     model: Text | None = None
     tokens: list[int]
+
+
+# The retry headers: the OpenAI SDK's retry count, or kvserve's own flag.
+RETRY_HEADERS = ("x-stainless-retry-count", "x-kvserve-retry")
+
+
+def is_retry(headers) -> bool:
+    """Whether the client says this request is a retry (read the same way by
+    the server and the gateway, whose retry budgets count these)."""
+    for name in RETRY_HEADERS:
+        raw = (headers.get(name) or "").strip().lower()
+        if raw in ("true", "yes"):
+            return True
+        try:
+            if int(raw) > 0:
+                return True
+        except ValueError:
+            continue
+    return False

@@ -120,6 +120,15 @@ _MESSAGE = '"messages": [{"role": "user", "content": "hi"}]'
     ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "x", "name": "\ud800"}]}',
      "messages[0].name"),
     ("/v1/chat/completions", '{' + _MESSAGE + r', "logit_bias": {"\udfff": 1}}', "logit_bias"),
+    # Free-form JSON (schemas, tool parameters): keys and strings at any depth.
+    ("/v1/completions", r'{"prompt": "hi", "max_tokens": 2, "guided_json": {"\ud800": null}}', "guided_json"),
+    ("/v1/completions", r'{"prompt": "hi", "structured_outputs": {"json": {"enum": [["\udfff"]]}}}',
+     "structured_outputs.json"),
+    ("/v1/chat/completions", '{' + _MESSAGE + r', "response_format": {"type": "json_schema", '
+     r'"json_schema": {"name": "x", "schema": {"type": "string", "pattern": "\udc00"}}}}',
+     "response_format.json_schema.schema"),
+    ("/v1/chat/completions", '{' + _MESSAGE + r', "tools": [{"type": "function", "function": '
+     r'{"name": "f", "parameters": {"properties": {"\udfff": {}}}}}]}', "tools[0].function.parameters"),
 ])
 def test_unencodable_text_and_non_finite_numbers_are_400_naming_the_field(http, path, raw, param):
     response = http.post(path, content=raw.encode(), headers={"content-type": "application/json"})

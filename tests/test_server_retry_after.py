@@ -55,4 +55,7 @@ def test_clients_that_follow_retry_after_are_all_served_without_a_storm():
         ended = time.monotonic()
     busy_s = sum(min(end, ended) - max(start, started) for start, end in spans if end > started)
     assert sum(refusals) <= 2 * num_clients, refusals
-    assert busy_s >= 0.8 * (ended - started), (busy_s, ended - started, refusals)
+    # Quiet, the engine is busy 92-95% of the burst; a shared CI box measured
+    # 76%. One Retry-After for everyone (the storm this guards against)
+    # left it idle about half the time.
+    assert busy_s >= 0.7 * (ended - started), (busy_s, ended - started, refusals)

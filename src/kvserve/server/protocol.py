@@ -50,8 +50,26 @@ def _encodable_text(value: str) -> str:
     return value
 
 
+def _encodable_json(value: Any) -> Any:
+    """Every key and string inside a free-form JSON value (a schema, a
+    tool's parameters) must be encodable text too: they are hashed into the
+    request's versions and compiled into grammars."""
+    if isinstance(value, str):
+        _encodable_text(value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _encodable_text(key)
+            _encodable_json(item)
+    elif isinstance(value, list):
+        for item in value:
+            _encodable_json(item)
+    return value
+
+
 # A string field: text that UTF-8 can encode.
 Text = Annotated[str, AfterValidator(_encodable_text)]
+# A free-form JSON object field whose every string UTF-8 can encode.
+JSONObject = Annotated[dict[str, Any], AfterValidator(_encodable_json)]
 
 
 class _WireModel(BaseModel):
@@ -70,7 +88,7 @@ class JSONSchemaFormat(_WireModel):
     name: Text | None = None
     description: Text | None = None
     # "schema" is the wire name; pydantic's BaseModel has a `schema` method.
-    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    json_schema: JSONObject | bool | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -82,7 +100,7 @@ class ResponseFormat(_WireModel):
 class StructuredOutputs(_WireModel):
     """vLLM's `structured_outputs`: exactly one of these."""
 
-    json_: dict[str, Any] | bool | Text | None = Field(default=None, alias="json")
+    json_: JSONObject | bool | Text | None = Field(default=None, alias="json")
     regex: Text | None = None
     choice: list[Text] | None = None
     grammar: Text | None = None
@@ -115,7 +133,7 @@ class _SamplingFields(_WireModel):
     priority: int | None = None
     repetition_penalty: float | None = None
     structured_outputs: StructuredOutputs | None = None
-    guided_json: dict[str, Any] | bool | Text | None = None
+    guided_json: JSONObject | bool | Text | None = None
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
@@ -158,7 +176,7 @@ class ChatMessage(_WireModel):
 class FunctionDefinition(_WireModel):
     name: Annotated[Text, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
     description: Text | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JSONObject | None = None
     strict: bool | None = None
 
 

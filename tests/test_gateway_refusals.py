@@ -131,13 +131,13 @@ def test_a_fleet_queued_past_the_limit_is_refused_before_any_backend(backends, t
         response = _complete(gw)
         assert response.status_code == 429, response.text
         error = response.json()["error"]
-        assert error["code"] == "queue_full" and error["type"] == "overloaded"
-        assert "expected queue wait across 2 backends" in error["message"]
+        assert error["code"] == "batch_slots" and error["type"] == "overloaded"
+        assert "expected wait for a batch slot across 2 backends" in error["message"]
         # The second backend's wait (17 ahead at ~10/s) sets it, not the first's (~20 s).
         assert 1 <= int(response.headers["retry-after"]) <= 6, response.headers
         assert (first.num_requests, second.num_requests) == (0, 0)
         assert backend_counter(gw.url, 'kvserve_gateway_admission_decisions_total{outcome="reject",pool="scripted",'
-                                       'reason="queue_full"') == 1
+                                       'reason="batch_slots"') == 1
         second.waiting = 0  # room again: admitted
         time.sleep(0.6)
         assert _complete(gw).status_code == 200

@@ -17,6 +17,7 @@ import pytest
 from kvserve.fleet.autoscale import desired_replicas
 from kvserve.fleet.backend_state import BackendState
 from kvserve.gateway import config as gw
+from kvserve.admission.retry_after import ReturnSlots
 from kvserve.gateway.admission import FleetQuotas, wait_refusal
 from kvserve.gateway.backends import CLOSED, HALF_OPEN, OPEN, BackendView, CircuitBreaker, parse_metrics
 from kvserve.gateway.batches import BatchStore
@@ -192,10 +193,30 @@ def test_fleet_quotas_count_concurrency_and_retries_once():
 def test_wait_refusal_uses_the_smallest_expected_wait():
     busy = BackendState("a", num_running=8, num_waiting=6, running_cap=8, drain_rps=2.0)  # 3.5 s
     busier = BackendState("b", num_running=8, num_waiting=10, running_cap=8, drain_rps=2.0)  # 5.5 s
-    refusal = wait_refusal([busier, busy], num_tokens=100, limit_s=1.0)
-    assert refusal.status == 429 and refusal.retry_after_s == 3  # ceil(3.5 - 1)
+    refusal = wait_refusal([busier, busy], num_tokens=100, limit_s=1.0, return_slots=ReturnSlots(lambda: 0.0))
+    # Back when its wait would be half the limit: ceil(3.5 - 0.5); a batch slot binds.
+    assert (refusal.status, refusal.reason, refusal.retry_after_s) == (429, "batch_slots", 3)
     assert "3.50 s" in refusal.message
-    assert wait_refusal([busy, BackendState("c", running_cap=8, drain_rps=2.0)], 100, 1.0) is None
+    assert wait_refusal([busy, BackendState("c", running_cap=8, drain_rps=2.0)], 100, 1.0,
+                        ReturnSlots(lambda: 0.0)) is None
+
+
+def test_wait_refusal_names_kv_blocks_when_they_bind():
+    # A free batch slot but a cache too full for 60 blocks' worth of tokens.
+    full_cache = BackendState("a", num_running=4, kv_usage=0.9, num_kv_blocks=100, block_size=16,
+                              running_cap=8, drain_rps=1.0)
+    refusal = wait_refusal([full_cache], num_tokens=60 * 16, limit_s=1.0, return_slots=ReturnSlots(lambda: 0.0))
+    assert refusal.reason == "kv_cache" and "KV blocks" in refusal.message
+
+
+def test_a_refused_burst_is_told_staggered_times_spaced_by_the_fleet_drain():
+    # Two backends draining 1 request/s each: the fleet frees room every 0.5 s.
+    backends = [BackendState(name, num_running=8, num_waiting=4, running_cap=8, drain_rps=1.0) for name in "ab"]
+    slots = ReturnSlots(lambda: 0.0)
+    retry_afters = [wait_refusal(backends, 100, 1.0, slots).retry_after_s for _ in range(8)]
+    assert retry_afters == sorted(retry_afters) and retry_afters[-1] > retry_afters[0]
+    # 5 s expected, back at 4.5 s, then one per 0.5 s: 8 clients over 4 whole seconds.
+    assert retry_afters == [5, 5, 6, 6, 7, 7, 8, 8]
 
 
 # ---- requests ---------------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Final
 from kvserve.admission.busy_rate import BusyRate
 from kvserve.admission.decision import AdmissionDecision, AdmissionRequest, Outcome, QueueWait, Reason, reject
 from kvserve.admission.quotas import RetryBudget, TenantLimits, TenantQuotas
-from kvserve.admission.retry_after import ReturnSlots
+from kvserve.admission.retry_after import ReturnSlots, earliest_return_s
 from kvserve.admission.step_limits import StepLimiter, StepLimits
 from kvserve.admission.step_time import StepTimeModel
 from kvserve.config import AdmissionConfig
@@ -38,10 +38,6 @@ from kvserve.config import AdmissionConfig
 SHORT_WAIT_S: Final = 0.05
 CALIBRATION_WEIGHT: Final = 0.1  # EWMA weight of one observed start
 MAX_WAIT_CORRECTION: Final = 4.0
-# A request refused for its expected wait is told to come back when that
-# wait would be this share of its class's limit: at exactly the limit it
-# would be refused again about half the time.
-RETURN_AT_LIMIT_SHARE: Final = 0.5
 
 
 @dataclass(slots=True)
@@ -298,9 +294,7 @@ class AdmissionController:
                       limit_s: float) -> AdmissionDecision:
         reason = Reason.DEADLINE if request.deadline is not None and limit_s < self.max_wait_s(request.priority) \
             else binding
-        # Unbounded means nothing is measured yet: it will be within seconds.
-        earliest_s = wait_s - RETURN_AT_LIMIT_SHARE * max(0.0, limit_s) if math.isfinite(wait_s) else 1.0
-        retry_s = self.retry_after_s(earliest_s)
+        retry_s = self.retry_after_s(earliest_return_s(wait_s, limit_s))
         return reject(429, reason, retry_s, _wait_message(wait_s, limit_s, reason, binding), wait_s)
 
     def retry_after_s(self, earliest_s: float) -> int:

@@ -29,6 +29,17 @@ from kvserve.admission.decision import whole_seconds
 # No client is told to wait longer than this (a burst of thousands would
 # otherwise be sent minutes away; by then the estimate means nothing).
 MAX_RETRY_AFTER_S: Final = 60
+# A request refused for its expected wait is told to come back when that
+# wait would be this share of its class's limit: at exactly the limit it
+# would be refused again about half the time.
+RETURN_AT_LIMIT_SHARE: Final = 0.5
+
+
+def earliest_return_s(wait_s: float, limit_s: float) -> float:
+    """How soon a request refused for an expected wait of `wait_s` over its
+    limit `limit_s` could come back and be admitted. Unbounded means nothing
+    is measured yet: it will be within seconds."""
+    return wait_s - RETURN_AT_LIMIT_SHARE * max(0.0, limit_s) if math.isfinite(wait_s) else 1.0
 
 
 class ReturnSlots:

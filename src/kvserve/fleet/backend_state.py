@@ -84,6 +84,16 @@ def expected_wait_s(backend: BackendLoad, num_tokens: int = 0) -> float:
     KV blocks it lacks, each drained at the measured rate. Unknown drain:
     zero within one batch worth of queue, unbounded beyond (as the
     admission controller's cold start)."""
+    return max(_slot_wait_s(backend), _kv_wait_s(backend, num_tokens, backend.drain_rps))
+
+
+def kv_binds(backend: BackendLoad, num_tokens: int = 0) -> bool:
+    """Whether the KV blocks it lacks, rather than a batch slot, are what
+    the request would wait for there (the reason a refusal names)."""
+    return _kv_wait_s(backend, num_tokens, backend.drain_rps) > _slot_wait_s(backend)
+
+
+def _slot_wait_s(backend: BackendLoad) -> float:
     cap = backend.running_cap
     if cap is None:  # a queue at all means the batch is full
         ahead = backend.num_waiting + 1 if backend.num_waiting else 0
@@ -91,9 +101,7 @@ def expected_wait_s(backend: BackendLoad, num_tokens: int = 0) -> float:
     else:
         ahead = backend.num_running + backend.num_waiting + 1 - cap
         allowance = max(1, cap)
-    rate = backend.drain_rps
-    seq_wait_s = _drain_time_s(ahead, rate, allowance)
-    return max(seq_wait_s, _kv_wait_s(backend, num_tokens, rate))
+    return _drain_time_s(ahead, backend.drain_rps, allowance)
 
 
 def _kv_wait_s(backend: BackendLoad, num_tokens: int, rate_rps: float | None) -> float:

@@ -10,8 +10,9 @@ Two parts:
   `AdmissionDecision`s with its `Reason`s.
 - `wait_refusal`: refuse before asking any backend when none of the
   eligible ones could start the request within its class's queue-wait
-  limit: 429, Retry-After from the smallest expected wait (their measured
-  drain), and the reason in the OpenAI error body.
+  limit: 429 with the binding reason (batch_slots or kv_cache) in the
+  OpenAI error body, and a Retry-After of the request's own, staggered
+  return slot, as each replica's controller gives.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvserve.admission.decision import AdmissionDecision, Reason, reject, whole_seconds
+from kvserve.admission.decision import AdmissionDecision, Reason, reject
 from kvserve.admission.quotas import RetryBudget, TenantQuotas
-from kvserve.fleet.backend_state import DRAIN_WINDOW_S, BackendLoad, expected_wait_s
+from kvserve.admission.retry_after import ReturnSlots, earliest_return_s
+from kvserve.fleet.backend_state import DRAIN_WINDOW_S, BackendLoad, expected_wait_s, kv_binds
 from kvserve.server.tenants import Tenant, TenantDirectory
 
 
@@ -97,15 +99,25 @@ class FleetQuotas:
         return self.quotas.num_inflight(tenant)
 
 
-def wait_refusal(backends: Sequence[BackendLoad], num_tokens: int, limit_s: float) -> AdmissionDecision | None:
+def wait_refusal(backends: Sequence[BackendLoad], num_tokens: int, limit_s: float,
+                 return_slots: ReturnSlots) -> AdmissionDecision | None:
     """429 when no backend could start a request of `num_tokens` (prompt +
-    max_tokens) within `limit_s`; None when one could."""
+    max_tokens) within `limit_s`; None when one could. The reason names what
+    binds on the backend with the shortest wait (a batch slot or KV blocks),
+    and the Retry-After is the request's own return slot, spaced by the
+    fleet's measured drain (admission/retry_after.py, as a replica's)."""
     if not backends:
         return None
-    wait_s = min(expected_wait_s(b, num_tokens) for b in backends)
+    soonest = min(backends, key=lambda b: expected_wait_s(b, num_tokens))
+    wait_s = expected_wait_s(soonest, num_tokens)
     if wait_s <= limit_s:
         return None
+    reason = Reason.KV_CACHE if kv_binds(soonest, num_tokens) else Reason.BATCH_SLOTS
+    fleet_drain_rps = sum(b.drain_rps or 0.0 for b in backends)
+    retry_s = return_slots.take(earliest_return_s(wait_s, limit_s),
+                                1.0 / fleet_drain_rps if fleet_drain_rps > 0 else 0.0)
     shown = f"{wait_s:.2f} s" if math.isfinite(wait_s) else "unbounded (no measured drain)"
-    return reject(429, Reason.QUEUE_FULL, whole_seconds(wait_s - limit_s),
+    what = "KV blocks" if reason == Reason.KV_CACHE else "a batch slot"
+    return reject(429, reason, retry_s,
                   f"no backend can start this request within {limit_s:.2f} s: the shortest expected "
-                  f"queue wait across {len(backends)} backends is {shown}", wait_s)
+                  f"wait for {what} across {len(backends)} backends is {shown}", wait_s)

@@ -9,6 +9,7 @@ import importlib
 import logging
 from collections.abc import Callable
 
+from kvserve.admission.retry_after import ReturnSlots
 from kvserve.fleet.router import Router, RouterConfig
 from kvserve.gateway.backends import BackendView
 from kvserve.gateway.config import AliasConfig, PoolConfig
@@ -17,13 +18,16 @@ log = logging.getLogger(__name__)
 
 
 class Pool:
-    """The backends serving one model name, and the router over them."""
+    """The backends serving one model name, the router over them, and the
+    return slots its refused requests are told (staggered over its drain)."""
 
-    def __init__(self, config: PoolConfig, views: list[BackendView], router: RouterConfig) -> None:
+    def __init__(self, config: PoolConfig, views: list[BackendView], router: RouterConfig,
+                 clock: Callable[[], float]) -> None:
         self.config = config
         self.views = views
         self.router = Router(router)
         self.smaller = config.smaller
+        self.return_slots = ReturnSlots(clock)
 
     @property
     def model(self) -> str | None:

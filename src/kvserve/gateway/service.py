@@ -93,7 +93,8 @@ class Gateway:
         self.config = config
         self.clock = clock
         self.views = {b.name: BackendView(b, config.breaker, clock) for p in config.pools for b in p.backends}
-        self.pools = [Pool(p, [self.views[b.name] for b in p.backends], config.router) for p in config.pools]
+        self.pools = [Pool(p, [self.views[b.name] for b in p.backends], config.router, clock)
+                      for p in config.pools]
         self.aliases = {a.name: AliasPolicy(a) for a in config.aliases}
         self.quotas = FleetQuotas.from_keys_file(config.api_keys_path, config.admission.retry_budget,
                                                  config.admission.retry_budget_burst, clock)
@@ -244,7 +245,8 @@ class Gateway:
                                "unavailable", "no_backend")
         max_tokens = placement.max_tokens or inbound.requested_max_tokens or cfg.admission.default_max_tokens
         num_tokens = inbound.num_prompt_tokens + max_tokens
-        refusal = wait_refusal(candidates, num_tokens, cfg.admission.max_wait_s(inbound.priority))
+        refusal = wait_refusal(candidates, num_tokens, cfg.admission.max_wait_s(inbound.priority),
+                               pool.return_slots)
         if refusal is not None:
             assert refusal.reason is not None and refusal.retry_after_s is not None  # a 429 has both
             return _Saturated(refusal.reason, refusal.message, refusal.retry_after_s)

@@ -12,7 +12,9 @@ tens of ms, which would make a measurement late without any error in it. The
 fake server and the client share one event loop, so a watcher on that loop
 sees every such stall (a late wake-up of its own 5 ms sleeps); a run that
 stalled for more than CALM_LAG_S is discarded and run again, so the
-assertions judge the client and never the machine's moment.
+assertions judge the client and never the machine's moment. When every run
+stalls (a CI box at load 9 did, four times in a row) the timing tests are
+skipped with the lags as the reason, not failed.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ TIME_TOL_S = 0.040
 EARLY_S = 0.002
 # A run whose loop stalled for longer than this is run again, up to MAX_RUNS.
 CALM_LAG_S = 0.020
-MAX_RUNS = 4
+MAX_RUNS = 8
 
 SCRIPTS = {
     # TTFT 0.3 (0.1 queued + 0.2), then one token every 0.1 s: TPOT 0.1, E2E 0.6.
@@ -88,18 +90,29 @@ async def _scripted_run():
 
 
 @pytest.fixture(scope="module")
-def run():
+def any_run():
+    """The first calm run, else the last one: (server, result, report, calm,
+    lags). Tests of what the client sent and counted use any run."""
     lags = []
     for _ in range(MAX_RUNS):
         server, result, lag_s = asyncio.run(_scripted_run())
         lags.append(lag_s)
         if lag_s <= CALM_LAG_S:
             break
-    else:
-        pytest.fail(f"the machine stalled the event loop in every run (worst lags {lags} s > "
-                    f"{CALM_LAG_S} s): no run to judge the client by")
     report = build_report(result.records, SLO_UNDER_TEST, metrics_samples=result.metrics_samples,
                           client_stats=result.client_stats)
+    return server, result, report, lags[-1] <= CALM_LAG_S, lags
+
+
+@pytest.fixture(scope="module")
+def run(any_run):
+    """A calm run: tests of the client's timings judge only one of those."""
+    server, result, report, calm, lags = any_run
+    if not calm:
+        # Not a verdict on the client: there is no calm run to judge it by
+        # (-ra prints this, so a CI log shows the timings were not judged).
+        pytest.skip(f"the machine stalled the event loop in every run (worst lags {lags} s > "
+                    f"{CALM_LAG_S} s): no calm run to judge the client's timings by")
     return server, result, report
 
 
@@ -170,8 +183,8 @@ def test_goodput_and_attainment_count_scripted_good_requests(run):
     assert s["slo_passed"] is False  # only 4 of 8 succeeded, under the 90% judged share
 
 
-def test_server_metrics_scraped_beside_client_figures(run):
-    server, _, report = run
+def test_server_metrics_scraped_beside_client_figures(any_run):
+    server, _, report = any_run[:3]
     metrics = report["server_metrics"]
     assert metrics["num_samples"] >= 3
     assert {"kv_cache_usage_perc", "num_requests_running", "num_requests_waiting",
@@ -185,13 +198,13 @@ def test_server_metrics_scraped_beside_client_figures(run):
     assert metrics["counters_delta"]['vllm:request_success_total{finished_reason="length"}'] == 4
 
 
-def test_cancelled_stream_is_closed_at_the_server(run):
-    server, _, _ = run
+def test_cancelled_stream_is_closed_at_the_server(any_run):
+    server, _, _ = any_run[:3]
     assert 6 in server.disconnected
 
 
-def test_request_body_and_headers(run):
-    server, _, _ = run
+def test_request_body_and_headers(any_run):
+    server, _, _ = any_run[:3]
     body = next(r["body"] for r in server.received if r["index"] == 0)
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["max_tokens"] == 4 and body["min_tokens"] == 4 and body["ignore_eos"] is True

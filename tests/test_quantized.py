@@ -272,20 +272,28 @@ def test_plan_reports_the_resident_bytes_of_the_quantized_and_the_float_engine(c
 
 def test_kernels_release_the_gil():
     """The engine thread's kernels must leave the GIL to the HTTP event loop:
-    while one long call runs in a thread, the main thread never waits for it."""
+    while one long call runs in a thread, the main thread never waits for it.
+    A call holding the GIL locks the main thread out for all of it, every
+    time; a loaded machine can deschedule the main thread for tens of ms
+    without any lock, so the call is long and a single calm try suffices."""
     import threading
 
     weight = QuantizedWeight.from_float("q4_1", torch.randn(8192, 1024))
-    x = torch.randn(256, 1024)
+    x = torch.randn(1024, 1024)
     t0 = time.perf_counter()
     weight.matmul(x)
     call_s = time.perf_counter() - t0
-    worker = threading.Thread(target=weight.matmul, args=(x,))
-    gaps, last = [], time.perf_counter()
-    worker.start()
-    while worker.is_alive():
-        now = time.perf_counter()
-        gaps.append(now - last)  # a gap as long as the call: the main thread was locked out
-        last = now
-    assert call_s > 0.02, "the call is too short to tell"
-    assert max(gaps) < call_s / 2, f"main thread blocked {max(gaps):.3f} s during a {call_s:.3f} s call"
+    assert call_s > 0.05, "the call is too short to tell"
+    worst_gaps = []
+    for _ in range(3):
+        worker = threading.Thread(target=weight.matmul, args=(x,))
+        gaps, last = [], time.perf_counter()
+        worker.start()
+        while worker.is_alive():
+            now = time.perf_counter()
+            gaps.append(now - last)  # a gap as long as the call: the main thread was locked out
+            last = now
+        worst_gaps.append(max(gaps))
+        if worst_gaps[-1] < call_s / 2:
+            return
+    pytest.fail(f"main thread blocked {worst_gaps} s during each {call_s:.3f} s call")

@@ -80,11 +80,46 @@ def test_prefix_affinity_is_bounded_by_load():
     assert pa.pick(even, RouteRequest(100, 10, key)) == (home, AFFINE)
     # A hot prefix: no wait anywhere (batch slots free), but the affine
     # backend holds far more than its share (8 of 10 against a bound of
-    # 1.25 x 11 / 3 + 1): the next backend on the ring takes it.
+    # 2 x 11 / 3 + 1): the next backend on the ring takes it.
     hot = [idle(s.name, num_running=1, running_cap=64) for s in states]
     hot[home] = idle(states[home].name, num_running=8, running_cap=64)
     moved = pa.pick(hot, RouteRequest(100, 10, key))
     assert moved.position != home and moved.reason == AFFINE_OVERFLOW
+
+
+def test_prefix_affinity_places_new_keys_evenly_and_keeps_them():
+    # 8 hot prefixes over 4 backends: a hash ring alone often puts 3-5 on
+    # one backend (whose cache then thrashes); placement gives each two.
+    pa = router("prefix-affinity")
+    states = [idle(f"b{i}") for i in range(4)]
+    keys = [affinity_key("t", f"system prompt {i}".encode()) for i in range(8)]
+    homes = [pa.pick(states, RouteRequest(100, 10, k)) for k in keys]
+    assert all(d.reason == AFFINE for d in homes)
+    assert sorted(collections.Counter(d.position for d in homes).values()) == [2, 2, 2, 2]
+    # A key stays where it was placed when another backend gets less loaded.
+    busier = [idle(s.name, num_running=2) for s in states]
+    for key, home in zip(keys, homes):
+        busier[home.position] = idle(states[home.position].name, num_running=3)
+        assert pa.pick(busier, RouteRequest(100, 10, key)) == (home.position, AFFINE)
+        busier[home.position] = idle(states[home.position].name, num_running=2)
+    # Its backend gone, a key is placed again (on the least loaded) and stays there.
+    gone = homes[0].position
+    left = [s for i, s in enumerate(states) if i != gone]
+    moved = pa.pick(left, RouteRequest(100, 10, keys[0]))
+    assert moved.reason == AFFINE
+    assert pa.pick(states, RouteRequest(100, 10, keys[0])).position == states.index(left[moved.position])
+
+
+def test_prefix_affinity_forgets_the_least_recently_used_placement():
+    pa = router("prefix-affinity", affinity_max_keys=2)
+    states = [idle("a"), idle("b", num_running=1)]
+    first, second, third = (affinity_key("t", name.encode()) for name in ("x", "y", "z"))
+    assert pa.pick(states, RouteRequest(100, 10, first)).position == 0
+    assert pa.pick(states, RouteRequest(100, 10, second)).position == 0  # a is still the least loaded
+    pa.pick(states, RouteRequest(100, 10, first))  # first is used again: second is the oldest
+    pa.pick(states, RouteRequest(100, 10, third))
+    assert pa.placements.owner(second) is None and pa.placements.owner(first) == "a"
+    assert pa.placements.num_keys("a") == 2
 
 
 def test_hash_ring_moves_only_the_keys_of_a_removed_backend():

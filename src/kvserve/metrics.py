@@ -134,6 +134,13 @@ class ServerMetrics:
         self.step_token_budget = gauge("kvserve_step_token_budget",
                                        "Tokens one engine step may batch (decodes + prefill), derived from "
                                        "measured step time and the TPOT target.")
+        self.sleeping = gauge("kvserve_sleeping",
+                              "Sleep level: 0 awake, 1 KV cache freed (weights kept), 2 weights dropped too; "
+                              "a sleeping server is not ready.")
+        self.startup = Gauge("kvserve_startup_seconds",
+                             "Start-to-ready by phase: imports, weight_load, kv_allocation, warm_up (on CUDA "
+                             "with the decode graphs captured), wake_up (the latest wake) (s).",
+                             ["model_name", "phase"], registry=self.registry)
 
     # ---- recording ---------------------------------------------------------
 
@@ -222,6 +229,10 @@ class ServerMetrics:
             if new > old:
                 counter.labels(model_name=self.model_name).inc(new - old)
         self._last_totals = totals
+
+    def record_startup(self, seconds_by_phase: dict[str, float]) -> None:
+        for phase, seconds in seconds_by_phase.items():
+            self.startup.labels(model_name=self.model_name, phase=phase).set(seconds)
 
     def record_weights(self, bytes_by_format: dict[str, int]) -> None:
         """The resident weight bytes, set once the model is loaded."""

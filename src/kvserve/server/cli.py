@@ -87,14 +87,20 @@ def run(args: argparse.Namespace) -> int:
     return serve(serving, args.gil_switch_interval)
 
 
-def build_serving(args: argparse.Namespace):
-    # Heavy imports only when serving.
-    from pathlib import Path
+def build_serving(args: argparse.Namespace, phases=None):
+    """The Serving `kvserve serve` runs (a Ray replica builds its own with
+    it too); `phases` (a startup.StartupPhases) gets the cold start's
+    imports, weight load and KV allocation timed."""
+    from kvserve.startup import StartupPhases
 
-    from kvserve.engine.core import EngineCore
-    from kvserve.model.loader import load_model
-    from kvserve.server.serving import Serving
-    from kvserve.server.tenants import TenantDirectory
+    phases = phases if phases is not None else StartupPhases()
+    with phases.phase("imports"):  # heavy imports only when serving
+        from pathlib import Path
+
+        from kvserve.engine.core import EngineCore
+        from kvserve.model.loader import load_model
+        from kvserve.server.serving import Serving
+        from kvserve.server.tenants import TenantDirectory
 
     tenants = TenantDirectory.from_file(args.api_keys) if args.api_keys else TenantDirectory()
     if args.simulate:
@@ -102,16 +108,22 @@ def build_serving(args: argparse.Namespace):
 
         core, versions, name = simulated.build_core(args)
         admission, server = configs(args, args.served_model_name or name)
-        return Serving(core, admission, server, tenants, versions=versions)
+        serving = Serving(core, admission, server, tenants, versions=versions)
+        serving.startup = phases
+        return serving
     if args.preset is not None:
         raise ValueError("--preset needs --simulate (a preset is an architecture without weights)")
     set_torch_threads(args.torch_threads)
-    loaded = load_model(args.model, quantization=args.quantization)
+    with phases.phase("weight_load"):
+        loaded = load_model(args.model, quantization=args.quantization)
     name = args.served_model_name or Path(loaded.source).name.removesuffix(".gguf")
     admission, server = configs(args, name)
-    core = EngineCore(loaded.config, loaded.weights, loaded.tokenizer, engine_config(args),
-                      versions=loaded.versions)
-    return Serving(core, admission, server, tenants, versions=loaded.versions)
+    with phases.phase("kv_allocation"):  # the runner allocates the KV cache tensor
+        core = EngineCore(loaded.config, loaded.weights, loaded.tokenizer, engine_config(args),
+                          versions=loaded.versions)
+    serving = Serving(core, admission, server, tenants, versions=loaded.versions)
+    serving.startup = phases
+    return serving
 
 
 def serve(serving, gil_switch_interval_s: float | None = None) -> int:

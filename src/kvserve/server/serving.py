@@ -40,6 +40,7 @@ from kvserve.server.streaming import Choice
 from kvserve.server.tools import ToolSet
 from kvserve.server.tenants import Tenant, TenantDirectory
 from kvserve.server.transport import reader_stalled
+from kvserve.startup import StartupPhases
 
 log = logging.getLogger(__name__)
 
@@ -80,15 +81,21 @@ class Serving:
         self.started = False
         self.draining = False
         self._drain_deadline = 0.0  # monotonic time the drain aborts what is left
+        # Filled by whoever builds the engine (server.cli.build_serving), then the warm-up.
+        self.startup = StartupPhases()
+        self.sleep_level = 0  # 0 awake; 1 KV cache freed; 2 weights dropped too
 
     # ---- lifecycle ---------------------------------------------------------
 
     async def start(self) -> None:
         if self.config.warm_up:
-            await self._warm_up()
-            await _load_streaming_backend()
+            with self.startup.phase("warm_up"):
+                await self._warm_up()
+                await _load_streaming_backend()
         self.engine.start()
         self.started = True
+        self.metrics.record_startup(self.startup.seconds)
+        log.info("start to ready: %s", self.startup.summary())
 
     async def _warm_up(self) -> None:
         """Fit the step-time model before traffic: a cold controller has no

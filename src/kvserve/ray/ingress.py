@@ -1,0 +1,305 @@
+"""The Ray application's ingress: the OpenAI API in front of the model
+deployment, applying the gateway's fleet admission once for every replica:
+
+    authenticate -> tenant quotas + retry budget (gateway.admission.FleetQuotas)
+    -> 429 + Retry-After before any replica when none can start it within its
+    class's queue-wait limit (gateway.admission.wait_refusal over the router's
+    views) -> the model deployment's handle, routed by kvserve's router
+    (ray.router) -> the replica's own admission and answer, relayed.
+
+A replica that dies before its answer starts (Ray reports the actor dead)
+is dropped by Ray's router and the request is sent again, to another; a
+stream already under way ends with a clean error event. A client that
+leaves cancels the replica's call, which aborts the request there.
+
+A warm pool (`warm_pool_interval_s` set): every interval the ingress runs
+`fleet.autoscale.decide` over the replicas' views and puts the replicas it
+does not need awake to sleep (`POST /sleep?level=1` to that replica), and
+wakes sleeping ones (`POST /wake_up`) before Ray is asked for new ones.
+"""
+
+# No `from __future__ import annotations`: Ray's class-based FastAPI view
+# rewrites the route methods' signatures and reads their annotations as
+# objects (as strings, `request: Request` becomes a query parameter: 422).
+import asyncio
+import itertools
+import json
+import logging
+import math
+import secrets
+import time
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from kvserve.fleet.autoscale import AutoscaleConfig, ScaleState, decide, signals_of
+from kvserve.fleet.router import RouteRequest, affinity_key
+from kvserve.gateway.admission import FleetQuotas, Refusal, wait_refusal
+from kvserve.gateway.inbound import BYTES_PER_TOKEN, read_inbound
+from kvserve.gateway.proxy import usage_tokens
+from kvserve.metrics import CONTENT_TYPE_LATEST
+from kvserve.ray.forward import ForwardedRequest, ResponseStart
+from kvserve.ray.router import replica_views
+from kvserve.server import protocol
+
+log = logging.getLogger(__name__)
+
+# Sends of one request: the first and, after replicas died under it, others.
+MAX_ATTEMPTS = 3
+_REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
+
+
+@dataclass(frozen=True)
+class IngressConfig:
+    """deployment_name: the model deployment's. api_keys_path / retry
+    budget: the fleet's tenants and retries. max_queue_wait_s and
+    deferred_max_queue_wait_s: the classes' queue-wait limits (as serve's).
+    default_max_tokens: the projection of a request without max_tokens.
+    router_policy / affinity_prefix_tokens: as the router's (for the key).
+    warm_pool: the autoscaling config whose awake count the ingress
+    applies every warm_pool_interval_s (None: no sleeping)."""
+
+    deployment_name: str
+    api_keys_path: str | None = None
+    retry_budget: float = 0.1
+    retry_budget_burst: float = 5.0
+    max_queue_wait_s: float = 1.0
+    deferred_max_queue_wait_s: float = 8.0
+    default_max_tokens: int = 256
+    router_policy: str = "kv-aware"
+    affinity_prefix_tokens: int = 64
+    warm_pool: dict | None = None
+    warm_pool_interval_s: float = 1.0
+
+
+class IngressError(Exception):
+    def __init__(self, status: int, message: str, type_: str, code: str | None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.headers = status, message, type_, code, headers or {}
+
+    @classmethod
+    def of(cls, refusal: Refusal) -> "IngressError":
+        headers = {"Retry-After": str(refusal.retry_after_s)} if refusal.retry_after_s is not None else {}
+        return cls(refusal.status, refusal.message, refusal.type, refusal.reason, headers)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(protocol.error_body(self.message, self.type, self.code), status_code=self.status,
+                            headers=self.headers)
+
+
+class IngressMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.forwards = Counter("kvserve_ray_forwards", "Requests sent to a replica, by outcome: answered "
+                                "(its answer started), replica_gone (it died first: sent again elsewhere).",
+                                ["outcome"], registry=r)
+        self.refusals = Counter("kvserve_ray_admission_rejections", "Refused at the ingress, by reason.",
+                                ["reason"], registry=r)
+        self.sleeping = Gauge("kvserve_ray_replicas_sleeping", "Replicas asleep in the warm pool.", registry=r)
+        self.awake_target = Gauge("kvserve_ray_replicas_awake_target",
+                                  "Replicas the warm pool keeps awake (fleet.autoscale.decide).", registry=r)
+
+
+def _tokens_of(body: bytes) -> int | None:
+    try:
+        usage = json.loads(body).get("usage")
+    except (ValueError, AttributeError):
+        return None
+    return usage_tokens(usage if isinstance(usage, dict) else None)
+
+
+def _stream_usage(chunk: bytes) -> int | None:
+    """Total tokens from a usage chunk (stream_options.include_usage)."""
+    if b'"usage"' not in chunk:
+        return None
+    for line in chunk.split(b"\n"):
+        if line.startswith(b"data: {"):
+            total = _tokens_of(line[len(b"data: "):])
+            if total is not None and math.isfinite(total):
+                return total
+    return None
+
+
+# Ray pickles the ingress class by value when it is decorated, with the
+# module's globals as they are then: everything it uses is defined above.
+app = FastAPI(title="kvserve on Ray Serve")
+
+
+@serve.deployment
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, model, config: dict) -> None:
+        self.config = IngressConfig(**config)
+        self.model = model.options(stream=True)
+        self.quotas = FleetQuotas.from_keys_file(self.config.api_keys_path, self.config.retry_budget,
+                                                 self.config.retry_budget_burst, time.monotonic)
+        self.replicas = replica_views(self.config.deployment_name)
+        self.views = self.replicas.views
+        self.metrics = IngressMetrics()
+        self._id_prefix = secrets.token_hex(4)
+        self._ids = itertools.count()
+        self._warm_pool_task = None
+        if self.config.warm_pool is not None:
+            self._warm_pool_task = asyncio.get_event_loop().create_task(self._run_warm_pool())
+
+    # ---- routes ------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._guarded(self._create("completion", request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._guarded(self._create("chat", request))
+
+    @app.get("/v1/models")
+    async def models(self, request: Request):
+        return await self._guarded(self._relay(request, b"", RouteRequest(), None))
+
+    @app.get("/health")
+    async def health(self):
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(self, request: Request):
+        """A replica's /ready, through the router: ready when one is."""
+        return await self._guarded(self._relay(request, b"", RouteRequest(), None))
+
+    @app.get("/metrics")
+    async def prometheus(self):
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- requests ----------------------------------------------------------
+    async def _guarded(self, call) -> Response:
+        try:
+            return await call
+        except IngressError as exc:
+            return exc.response()
+
+    async def _create(self, kind: str, request: Request) -> Response:
+        tenant = self.quotas.authenticate(request.headers.get("authorization"))
+        if tenant is None:
+            raise IngressError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                               "authentication_error", "invalid_api_key")
+        raw = await request.body()
+        inbound = read_inbound(kind, request.url.path, raw, tenant.priority, request.headers)
+        max_tokens = inbound.requested_max_tokens or self.config.default_max_tokens
+        request_id = f"ray-{self._id_prefix}{next(self._ids):08x}"
+        refusal = self.quotas.admit(request_id, tenant, inbound.num_prompt_tokens, max_tokens, inbound.is_retry)
+        if refusal is None:
+            refusal = self._wait_refusal(inbound.num_prompt_tokens + max_tokens, inbound.priority)
+            if refusal is not None:
+                self.quotas.on_finish(request_id)
+        if refusal is not None:
+            self.metrics.refusals.labels(refusal.reason).inc()
+            raise IngressError.of(refusal)
+        key = None
+        if self.config.router_policy == "prefix-affinity" and inbound.prompt_bytes:
+            key = affinity_key(tenant.name, inbound.prompt_bytes[:self.config.affinity_prefix_tokens * BYTES_PER_TOKEN])
+        route = RouteRequest(inbound.num_prompt_tokens, max_tokens, key)
+        try:
+            return await self._relay(request, raw, route, request_id)
+        except BaseException:
+            self.quotas.on_finish(request_id)
+            raise
+
+    def _wait_refusal(self, num_tokens: int, priority: int) -> Refusal | None:
+        limit_s = self.config.deferred_max_queue_wait_s if priority > 0 else self.config.max_queue_wait_s
+        asleep = self.replicas.sleeping
+        eligible = [v for name, v in self.views.items() if v.ready and not asleep.get(name)]
+        return wait_refusal(eligible, num_tokens, limit_s)
+
+    async def _relay(self, request: Request, raw: bytes, route: RouteRequest, request_id: str | None) -> Response:
+        forwarded = ForwardedRequest(request.method, request.url.path, raw, tuple(request.scope["headers"]),
+                                     request.scope.get("query_string", b""), route)
+        stream, start = await self._send(forwarded)
+        if request_id is not None:
+            self.quotas.on_start(request_id)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers
+                   if k.lower() not in (b"content-length", b"transfer-encoding")}
+        media_type = headers.pop("content-type", "application/json")
+        if media_type.startswith("text/event-stream"):
+            return StreamingResponse(self._events(stream, request_id), status_code=start.status,
+                                     headers=headers, media_type=media_type)
+        body = b"".join([chunk async for chunk in stream])
+        if request_id is not None:
+            self.quotas.on_finish(request_id, _tokens_of(body))
+        return Response(body, status_code=start.status, headers=headers, media_type=media_type)
+
+    async def _send(self, forwarded: ForwardedRequest):
+        """The replica's stream and its ResponseStart; sent again when the
+        replica dies before its answer starts."""
+        for attempt in range(MAX_ATTEMPTS):
+            stream = self.model.handle_http.remote(forwarded)
+            try:
+                start = await stream.__anext__()
+            except _REPLICA_GONE as exc:
+                self.metrics.forwards.labels("replica_gone").inc()
+                log.warning("a replica died before answering (%s); sending again (%d)", type(exc).__name__,
+                            attempt + 1)
+                continue
+            except BaseException:
+                stream.cancel()
+                raise
+            self.metrics.forwards.labels("answered").inc()
+            assert isinstance(start, ResponseStart)
+            return stream, start
+        raise IngressError(503, f"the replicas died under this request {MAX_ATTEMPTS} times", "unavailable",
+                           "replica_failed")
+
+    async def _events(self, stream, request_id: str | None):
+        num_tokens = None
+        try:
+            async for chunk in stream:
+                num_tokens = _stream_usage(chunk) or num_tokens
+                yield chunk
+        except _REPLICA_GONE:
+            error = protocol.error_body("the replica serving this stream failed", "unavailable", "replica_failed")
+            yield f"data: {json.dumps(error)}\n\n".encode() + protocol.SSE_DONE.encode()
+        finally:
+            stream.cancel()  # a no-op when it ended; aborts the request on the replica when the client left
+            if request_id is not None:
+                self.quotas.on_finish(request_id, num_tokens)
+
+    # ---- the warm pool -----------------------------------------------------
+    async def _run_warm_pool(self) -> None:
+        config = AutoscaleConfig(**self.config.warm_pool)
+        state = ScaleState()
+        while True:
+            await asyncio.sleep(self.config.warm_pool_interval_s)
+            try:
+                state = await self._apply_warm_pool(config, state)
+            except Exception:
+                log.exception("warm pool step failed")
+
+    async def _apply_warm_pool(self, config: AutoscaleConfig, state: ScaleState) -> ScaleState:
+        # Sorted by name: the same replicas stay awake from one step to the next.
+        names = sorted(n for n, v in self.views.items() if v.scrape is not None)
+        sleeping = self.replicas.sleeping
+        signals = [signals_of(self.views[n], sleeping=sleeping.get(n, 0) > 0) for n in names]
+        decision = decide(config, signals, state, time.monotonic())
+        awake = [n for n in names if not sleeping.get(n)]
+        asleep = [n for n in names if sleeping.get(n)]
+        self.metrics.awake_target.set(decision.num_awake)
+        self.metrics.sleeping.set(len(asleep))
+        calls = [self._control(n, "POST", "/wake_up") for n in asleep[:max(0, decision.num_awake - len(awake))]]
+        calls += [self._control(n, "POST", "/sleep", b"level=1")
+                  for n in awake[decision.num_awake:] if self.views[n].num_running + self.views[n].num_waiting == 0]
+        await asyncio.gather(*calls)
+        return decision.state
+
+    async def _control(self, replica: str, method: str, path: str, query: bytes = b"") -> None:
+        """A control request to one named replica (the router sends a
+        request that excludes every other)."""
+        others = frozenset(n for n in self.views if n != replica)
+        forwarded = ForwardedRequest(method, path, b"", (), query, RouteRequest(), others)
+        stream = self.model.handle_http.remote(forwarded)
+        start = await stream.__anext__()
+        async for _ in stream:
+            pass
+        log.info("warm pool: %s %s -> %s (%d)", path, query.decode(), replica, start.status)
+

@@ -1,0 +1,156 @@
+"""The model deployment's replica: one kvserve engine, exactly as
+`kvserve serve` builds it (server.cli.build_serving: the async engine, the
+server's per-replica admission and metrics), answering the requests the
+ingress forwards through kvserve's own ASGI app in process.
+
+What it records for Ray Serve:
+- `record_routing_stats`: its own /metrics as the gateway parses them
+  (vLLM's names), its KV cache's size, whether it is ready or asleep: the
+  router builds a fleet `BackendLoad` view of it from these;
+- `record_autoscaling_stats`: the autoscaling signals
+  (`fleet.autoscale.ReplicaSignals`): the p95 queue wait over the look-back
+  (from its `vllm:request_queue_time_seconds` histogram, as a Prometheus
+  rule would take it), the expected wait of a request arriving now, KV
+  usage and its sleep level.
+
+Sleep and wake go through the same app (`POST /sleep?level=N`,
+`POST /wake_up`, `GET /is_sleeping`), so a replica sleeps as a server does.
+Ray drains a replica it scales down (no new requests, the ones in flight
+finish within `graceful_shutdown_timeout_s`) before `__del__`, which then
+drains and stops the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+
+from kvserve.fleet.autoscale import ReplicaSignals, signals_of
+from kvserve.ray.forward import ForwardedRequest, ResponseStart, run_asgi
+from kvserve.startup import StartupPhases
+
+log = logging.getLogger(__name__)
+
+QUEUE_TIME_METRIC = "vllm:request_queue_time_seconds"
+REPLICA_HEADER = b"x-kvserve-replica"
+
+
+class HistogramWindow:
+    """The p95 of a Prometheus histogram over the last `look_back_s`, from
+    snapshots of its cumulative buckets (what `histogram_quantile` over a
+    `rate[...]` computes): the upper bound of the bucket the 95th
+    percentile falls in."""
+
+    def __init__(self, look_back_s: float) -> None:
+        self.look_back_s = look_back_s
+        self._snapshots: deque[tuple[float, list[tuple[float, float]]]] = deque()
+
+    def observe(self, now_s: float, buckets: list[tuple[float, float]]) -> None:
+        """`buckets`: (upper bound, cumulative count), ascending, +Inf last."""
+        self._snapshots.append((now_s, buckets))
+        while len(self._snapshots) > 1 and self._snapshots[1][0] <= now_s - self.look_back_s:
+            self._snapshots.popleft()
+
+    def p95_s(self) -> float:
+        if len(self._snapshots) < 2:
+            return 0.0
+        old, new = self._snapshots[0][1], self._snapshots[-1][1]
+        deltas = [(bound, count - old_count) for (bound, count), (_, old_count) in zip(new, old)]
+        total = deltas[-1][1] if deltas else 0.0
+        if total <= 0:
+            return 0.0
+        finite = [bound for bound, _ in deltas if bound != float("inf")]
+        for bound, count in deltas:
+            if count >= 0.95 * total:
+                return bound if bound != float("inf") else (finite[-1] if finite else 0.0)
+        return 0.0
+
+
+def histogram_buckets(registry, name: str) -> list[tuple[float, float]]:
+    """A histogram's cumulative buckets summed over its label sets."""
+    sums: dict[float, float] = {}
+    for metric in registry.collect():
+        if metric.name != name:
+            continue
+        for sample in metric.samples:
+            if sample.name.endswith("_bucket"):
+                bound = float(sample.labels["le"])
+                sums[bound] = sums.get(bound, 0.0) + sample.value
+    return sorted(sums.items())
+
+
+class ModelReplica:
+    """One kvserve engine behind a Ray Serve replica. `serve_args`: the
+    `kvserve serve` flags as a dict (argparse's namespace, e.g. from
+    `kvserve ray`), passed to every replica."""
+
+    async def __init__(self, serve_args: dict, look_back_s: float = 10.0) -> None:
+        phases = StartupPhases()
+        self.replica_id = _replica_id()
+        with phases.phase("imports"):
+            from kvserve.gateway.backends import BackendView, parse_metrics
+            from kvserve.gateway.config import BackendConfig, BreakerConfig
+            from kvserve.server.app import create_app
+            from kvserve.server.cli import build_serving
+        self._parse_metrics = parse_metrics
+        args = argparse.Namespace(**serve_args)
+        self.serving = await asyncio.to_thread(build_serving, args, phases)
+        self.app = create_app(self.serving)
+        kv = self.serving.core.scheduler.kv_cache
+        self.num_kv_blocks, self.block_size = kv.num_blocks, kv.block_size
+        # Its own view, as a gateway would keep of it: the expected wait of a new request.
+        self._view = BackendView(BackendConfig(f"http://{self.replica_id}", self.replica_id, self.num_kv_blocks,
+                                               self.block_size), BreakerConfig(), time.monotonic)
+        self._queue_wait = HistogramWindow(look_back_s)
+        self._stats_number = 0
+        await self.serving.start()  # warm-up: timed into phases, logged, and the startup gauge set
+        log.info("replica %s ready: %s", self.replica_id, phases.summary())
+
+    async def handle_http(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
+        """The app's answer to one forwarded request: a ResponseStart (with
+        this replica's id in a header), then the body's chunks."""
+        async for item in run_asgi(self.app, request):
+            if isinstance(item, ResponseStart):
+                item = ResponseStart(item.status, item.headers + ((REPLICA_HEADER, self.replica_id.encode()),))
+            yield item
+
+    async def record_routing_stats(self) -> dict:
+        scrape = self._parse_metrics(self.serving.metrics.render().decode())
+        self._stats_number += 1
+        return {"scrape": dataclasses.asdict(scrape), "ready": self.serving.ready,
+                "sleeping": self.serving.sleep_level, "num_kv_blocks": self.num_kv_blocks,
+                "block_size": self.block_size, "number": self._stats_number}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        return self.signals()._asdict() | {"sleeping": float(self.serving.sleep_level)}
+
+    def signals(self) -> ReplicaSignals:
+        now = time.monotonic()
+        self._view.record_scrape(self._parse_metrics(self.serving.metrics.render().decode()), True)
+        self._queue_wait.observe(now, histogram_buckets(self.serving.metrics.registry, QUEUE_TIME_METRIC))
+        return signals_of(self._view, self._queue_wait.p95_s(), self.serving.sleep_level > 0)
+
+    def check_health(self) -> None:
+        """Ray restarts a replica whose engine died (a sleeping one is healthy)."""
+        if self.serving.engine.dead is not None:
+            raise RuntimeError(f"engine failed: {self.serving.engine.dead}")
+
+    async def __del__(self) -> None:
+        # Ray has drained its own requests by now; finish or abort what is left, then stop.
+        await self.serving.drain(self.serving.config.shutdown_grace_s)
+        await self.serving.stop()
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Ray replica (tests)
+        return f"replica-{os.getpid()}"

@@ -84,6 +84,8 @@ def application(args: argparse.Namespace):
         options["autoscaling_config"] = AutoscalingConfig(
             min_replicas=scaling.min_replicas, max_replicas=scaling.max_replicas,
             initial_replicas=max(1, scaling.min_replicas), look_back_period_s=max(scaling.look_back_s, 2 * period_s),
+            # Ray applies these to a custom policy's answer too: neutral, the rule has its own delay.
+            upscale_delay_s=0.0, downscale_delay_s=0.0, upscaling_factor=1.0, downscaling_factor=1.0,
             policy=AutoscalingPolicy(policy_function=KVServeAutoscalingPolicy, policy_kwargs=fields))
     model = serve.deployment(ModelReplica).options(**options).bind(_serve_args(args), scaling.look_back_s)
     ingress_config = {"deployment_name": MODEL_DEPLOYMENT, "api_keys_path": args.api_keys,

@@ -1,9 +1,11 @@
 """kvserve's autoscaling policy as a Ray Serve custom policy
 (`AutoscalingConfig.policy`): the replicas' recorded signals (their latest
 `record_autoscaling_stats`) -> `fleet.autoscale.decide` -> the number of
-replicas Ray holds. The delay and the warm pool are the rule's own (Ray
-applies only the min/max bounds to a custom policy's answer), and its
-state rides in Ray's `policy_state`.
+replicas Ray holds. The delay and the warm pool are the rule's own, and
+its state rides in Ray's `policy_state`. Ray 2.60 passes a custom
+policy's answer through its own scaling factors and up/down delays too
+(ray.serve.autoscaling_policy._apply_default_params): kvserve.ray_app sets
+those delays to 0 and the factors to 1, so only the min/max bounds remain.
 
 Configured through `AutoscalingPolicy(policy_function=KVServeAutoscalingPolicy,
 policy_kwargs={...})`: the `fleet.autoscale.AutoscaleConfig` fields.

@@ -19,6 +19,7 @@ and its warm pool (which replicas sleep).
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Sequence
@@ -47,7 +48,7 @@ class ReplicaViews:
     def refresh(self, replica_id: str, stats: dict | None) -> BackendView:
         view = self.views.get(replica_id)
         stats = stats or {}
-        if view is None:
+        if view is None or (view.config.num_kv_blocks is None and stats.get("num_kv_blocks")):
             config = BackendConfig(f"http://{replica_id}", replica_id, stats.get("num_kv_blocks"),
                                    stats.get("block_size"))  # identity only: reached by its actor handle
             view = self.views[replica_id] = BackendView(config, BreakerConfig(), self.clock)
@@ -97,7 +98,8 @@ class KVServeRouter(RequestRouter):
     def initialize_state(self, **router_kwargs) -> None:
         self._router = Router(RouterConfig(**router_kwargs))
         self._replica_views = replica_views(self._deployment_id.name)
-        self._sent: dict[str, tuple[str, Sent]] = {}  # internal request id -> (replica, ticket)
+        self._sent: dict[str, collections.deque[Sent]] = {}  # per replica, oldest first
+        self._last_tokens = 0
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -107,6 +109,7 @@ class KVServeRouter(RequestRouter):
         forwarded = _forwarded(pending_request)
         route = forwarded.route if forwarded is not None else RouteRequest()
         exclude = forwarded.exclude if forwarded is not None else frozenset()
+        self._last_tokens = route.num_prompt_tokens + route.max_tokens
         ranks = self._replica_views.rank(self._router, list(by_id), route, exclude)
         return [[by_id[i] for i in rank] for rank in ranks]
 
@@ -114,19 +117,21 @@ class KVServeRouter(RequestRouter):
         super().update_replicas(replicas)
         self._replica_views.forget_except({r.replica_id.unique_id for r in replicas})
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        forwarded = _forwarded(pending_request)
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        """Ray sent a request there: count it (as the gateway counts its
+        sends) until that replica's stats show it. Ray passes no request
+        here, so its size is the latest one routed (sends follow their
+        routing decision on this one event loop)."""
+        super().on_send_request(replica_id)
         view = self._replica_views.views.get(replica_id.unique_id)
-        if forwarded is None or view is None:
-            return
-        num_tokens = forwarded.route.num_prompt_tokens + forwarded.route.max_tokens
-        self._sent[pending_request.metadata.internal_request_id] = (replica_id.unique_id, view.on_send(num_tokens))
+        if view is not None:
+            self._sent.setdefault(replica_id.unique_id, collections.deque()).append(view.on_send(self._last_tokens))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        sent = self._sent.pop(internal_request_id, None)
+        tickets = self._sent.get(replica_id.unique_id)
         view = self._replica_views.views.get(replica_id.unique_id)
-        if sent is not None and view is not None:
-            view.on_done(sent[1])
+        if tickets and view is not None:
+            view.on_done(tickets.popleft())
 
 
 def _forwarded(pending_request: PendingRequest | None) -> ForwardedRequest | None:

@@ -1,0 +1,179 @@
+"""kvserve on Ray Serve, on a local Ray cluster the tests start
+(`ray.init(num_cpus=2)`): the official openai client through the Ray
+ingress, streaming and not, over two replicas of a tiny random-weight model;
+a burst spread across them by kvserve's router (per-replica counts); a burst
+that builds queue wait scales 1 -> 2 and idleness back after the delay with
+no request lost or sent twice; a replica killed with `ray.kill` while its
+requests wait: they are answered by another replica.
+
+The autoscaling and kill tests run simulated replicas (`kvserve serve
+--simulate`: the real server, admission and scheduler, each engine step a
+sleep of an 8B model's roofline time on an L4), so a replica stays busy for
+a known time on the shared 2-core machine."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from kvserve.ray_app import MODEL_DEPLOYMENT, build_app
+from tests.load_helpers import wait_until
+from tests.server_helpers import CHAT_TEMPLATE, byte_tokenizer
+from tests.tiny_models import tiny_llama
+
+pytestmark = pytest.mark.ray
+
+APP = "kvserve"
+TINY = {"served_model_name": "tiny", "kv_cache_memory": "1MiB", "max_model_len": 256, "torch_threads": 1,
+        "replica_cpus": 0.5, "stats_period": 0.5}
+# Two batch slots per replica, ~0.07 s a step: a 20-token answer holds a slot ~1.5 s.
+SLOW_SIM = {"simulate": True, "preset": "llama-3.1-8b", "hardware": "l4", "served_model_name": "sim",
+            "kv_cache_memory": "1GiB", "max_num_seqs": 2, "no_warm_up": True, "replica_cpus": 0.5,
+            "stats_period": 0.5, "max_queue_wait": 30, "queue_timeout": 60, "max_queue_len": 1000}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tiny_llama(seed=0).save_pretrained(folder, safe_serialization=True)
+    byte_tokenizer()._backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    return str(folder)
+
+
+def _deploy(args: dict) -> None:
+    serve.run(build_app(args), name=APP, route_prefix="/")
+
+
+def _replica_counts() -> dict[str, int]:
+    """The model deployment's replicas by state (STARTING, RUNNING, STOPPING, ...)."""
+    deployment = serve.status().applications[APP].deployments[MODEL_DEPLOYMENT]
+    return {state: n for state, n in deployment.replica_states.items() if n}
+
+
+async def _burst(url: str, n: int, body: dict, gap_s: float = 0.0) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=url, timeout=180) as client:
+        async def one(i: int) -> httpx.Response:
+            await asyncio.sleep(gap_s * i)
+            return await client.post("/v1/completions", json=body)
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def _ingress_counter(url: str, outcome: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    key = f'kvserve_ray_forwards_total{{outcome="{outcome}"}}'
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(key))
+
+
+def test_openai_client_and_router_spread_over_two_tiny_replicas(cluster, tiny_folder):
+    _deploy({**TINY, "model": tiny_folder, "num_replicas": 2})
+    try:
+        client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused", max_retries=0)
+        done = client.completions.create(model="tiny", prompt="hello", max_tokens=8, temperature=0)
+        assert done.usage.completion_tokens == 8 and done.choices[0].finish_reason == "length"
+        again = client.completions.create(model="tiny", prompt="hello", max_tokens=8, temperature=0)
+        assert again.choices[0].text == done.choices[0].text  # greedy, whichever replica answered
+        chunks = list(client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True,
+            stream_options={"include_usage": True}))
+        assert chunks[-1].usage.completion_tokens == 6
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        with pytest.raises(openai.BadRequestError):  # the replica's own validation, relayed
+            client.completions.create(model="tiny", prompt="hello", max_tokens=0)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="other", prompt="hello", max_tokens=4)
+
+        responses = asyncio.run(_burst(cluster, 16, {"model": "tiny", "prompt": "spread me", "max_tokens": 48}))
+        assert [r.status_code for r in responses] == [200] * 16
+        per_replica = collections.Counter(r.headers["x-kvserve-replica"] for r in responses)
+        assert len(per_replica) == 2 and min(per_replica.values()) >= 4, per_replica
+    finally:
+        serve.delete(APP)
+
+
+def test_burst_scales_one_to_two_and_back_after_the_delay_losing_nothing(cluster):
+    _deploy({**SLOW_SIM, "min_replicas": 1, "max_replicas": 2, "queue_wait_target": 0.5, "look_back": 3,
+             "scale_down_delay": 6})
+    try:
+        assert _replica_counts() == {"RUNNING": 1}
+        body = {"model": "sim", "prompt": "queue up", "max_tokens": 20}
+        counts: list[dict] = []
+
+        async def burst_while_watching() -> list[httpx.Response]:
+            async def watch() -> None:
+                while True:
+                    counts.append(await asyncio.to_thread(_replica_counts))
+                    await asyncio.sleep(0.5)
+            watcher = asyncio.create_task(watch())
+            try:
+                # 32 requests, 2 slots: ~20 s of work on one replica; the queue builds at once.
+                return await _burst(cluster, 32, body, gap_s=0.3)
+            finally:
+                watcher.cancel()
+
+        responses = asyncio.run(burst_while_watching())
+        assert [r.status_code for r in responses] == [200] * 32
+        assert len({r.headers["x-request-id"] for r in responses}) == 32
+        assert _ingress_counter(cluster, "answered") == 32  # each sent once: none lost, none twice
+        assert _ingress_counter(cluster, "replica_gone") == 0
+        assert max(sum(c.values()) for c in counts) == 2, counts  # the queue wait asked for a second
+        assert wait_until(lambda: _replica_counts().get("RUNNING") == 2, timeout_s=60, period_s=0.5)
+        # Idle from here: one replica leaves once the delay has passed (not before).
+        assert _replica_counts().get("RUNNING") == 2
+        assert wait_until(lambda: _replica_counts() == {"RUNNING": 1}, timeout_s=60, period_s=0.5)
+    finally:
+        serve.delete(APP)
+
+
+def test_killed_replicas_waiting_requests_are_answered_by_another(cluster):
+    _deploy({**SLOW_SIM, "num_replicas": 2, "router": "round-robin"})
+    try:
+        body = {"model": "sim", "prompt": "survive", "max_tokens": 20}
+        # Measured drain first: a cold fleet's queue has an unbounded expected wait (429 at the ingress).
+        assert [r.status_code for r in asyncio.run(_burst(cluster, 4, {**body, "max_tokens": 4}))] == [200] * 4
+        time.sleep(1.5)  # a stats period or two: the views see the drain
+
+        async def run() -> list[httpx.Response]:
+            burst = asyncio.create_task(_burst(cluster, 12, body))
+            await asyncio.sleep(2.0)  # both replicas hold 2 running and 4 waiting
+            ray.kill(_model_replica_actors()[0], no_restart=True)
+            return await burst
+
+        responses = asyncio.run(run())
+        assert [r.status_code for r in responses] == [200] * 12
+        assert _ingress_counter(cluster, "replica_gone") >= 1  # its requests were sent again
+        assert len({r.headers["x-request-id"] for r in responses}) == 12
+    finally:
+        serve.delete(APP)
+
+
+def _model_replica_actors() -> list:
+    return [ray.get_actor(a["name"], namespace=a["namespace"])
+            for a in ray.util.list_named_actors(all_namespaces=True) if MODEL_DEPLOYMENT in a["name"]]

@@ -137,6 +137,17 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
 
+    async def call(self, fn: Callable[[], object]) -> object:
+        """Run `fn()` on the engine thread between two steps (the only thread
+        that may touch the core) and return its result, or raise its error.
+        Before start() there is no engine thread: it runs here."""
+        if self._thread is None:
+            return fn()
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(("call", (fn, future)))
+        self._wake.set()
+        return await future
+
     def warm_up(self, num_steps: int = 12, max_decode_seqs: int = 16,
                 time_budget_s: float = 10.0) -> list[MeasuredStep]:
         """Before `start`: time throwaway steps (engine/warm_up.py) and feed
@@ -303,6 +314,16 @@ class AsyncEngine:
                 finished.extend(self._add(*payload))
             elif kind == "abort":
                 finished.extend(self._abort(*payload))
+            elif kind == "call":
+                self._call(*payload)
+
+    def _call(self, fn: Callable[[], object], future: asyncio.Future) -> None:
+        try:
+            result = fn()
+        except Exception as exc:  # the caller's error, not the engine's
+            self._post_fn(_settle, future, None, exc)
+            return
+        self._post_fn(_settle, future, result, None)
 
     def _add(self, request: Request, is_retry: bool) -> list[Finished]:
         """Decide (on the prefix hit the engine's own cache gives), then add."""
@@ -354,3 +375,12 @@ class AsyncEngine:
             stream.finished = done
             stream.put(done)
         self.streams.clear()
+
+
+def _settle(future: asyncio.Future, result: object, exc: BaseException | None) -> None:
+    if future.done():  # the caller gave up waiting
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

@@ -133,12 +133,8 @@ class EngineCore:
         self.clock = clock
         self.max_model_len = min(model_config.max_position_embeddings,
                                  config.max_model_len or model_config.max_position_embeddings)
-        self.runner = runner if runner is not None else ModelRunner(
-            model_config, weights, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-            block_size=config.block_size, dtype=config.dtype, device=config.device,
-            max_model_len=self.max_model_len, seed=config.seed,
-            max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
-            quantization=config.quantization)
+        self.runner = runner if runner is not None else self._build_runner(weights)
+        self.sleep_level = 0  # 0 awake; 1 KV cache freed, weights kept; 2 weights dropped too
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
                             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len),
@@ -167,6 +163,52 @@ class EngineCore:
         from kvserve.runner.draft_model import DraftModelProposer
 
         return DraftModelProposer.load(config, self.runner, self.scheduler)
+
+    def _build_runner(self, weights: dict[str, torch.Tensor] | None) -> ModelRunner:
+        config = self.config
+        return ModelRunner(
+            self.model_config, weights, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            block_size=config.block_size, dtype=config.dtype, device=config.device,
+            max_model_len=self.max_model_len, seed=config.seed,
+            max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
+            quantization=config.quantization)
+
+    # -- sleep and wake (vLLM's levels) ---------------------------------------
+    def sleep(self, level: int) -> int:
+        """Free the KV cache's memory (level 1: the weights stay, on CUDA in
+        pinned host memory; level 2: the weights are dropped too) and empty
+        the prefix cache, whose blocks it held. Only with no request
+        unfinished (ValueError otherwise). Bytes freed from the device."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.has_unfinished():
+            raise ValueError("cannot sleep with requests unfinished")
+        if self.sleep_level:
+            return 0
+        self.scheduler.kv_cache.pool.reset_prefix_cache()
+        release = getattr(self.runner, "release_kv_cache", None)  # a simulated runner holds no tensors
+        freed = release() if release is not None else 0
+        if level == 2 and release is not None:
+            self.runner = None  # its weights go with it; wake_up builds a new one
+        elif release is not None:
+            freed += self.runner.offload_weights()
+        self.sleep_level = level
+        return freed
+
+    def wake_up(self, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """Undo sleep: the KV cache allocated again (empty), the weights back
+        on the device; after level 2, `weights` (the model's tensors, read
+        again from its source) build the runner anew."""
+        if not self.sleep_level:
+            return
+        if self.runner is None:
+            if weights is None:
+                raise ValueError("waking from level 2 needs the weights (they were dropped)")
+            self.runner = self._build_runner(weights)
+        elif hasattr(self.runner, "allocate_kv_cache"):
+            self.runner.restore_weights()
+            self.runner.allocate_kv_cache()
+        self.sleep_level = 0
 
     # -- requests in and out -------------------------------------------------
     def new_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,

@@ -6,7 +6,7 @@ step's SchedulerOutput into tensors (runner/step_batch.py) -> forward pass
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,10 +74,6 @@ class ModelRunner:
         # a CPU server's RSS climbed by the cache's size over its first ~10 minutes
         # of traffic (the soak's +20%) and steps took the page faults.
         self.scratch_slot = self.num_blocks * block_size
-        self.kv_cache = torch.zeros(
-            (config.num_hidden_layers, self.scratch_slot + 1, 2,
-             config.num_key_value_heads, config.head_dim), dtype=self.dtype, device=self.device)
-        self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(seed=seed, device=self.device)
         self.rejection_sampler = RejectionSampler(self.sampler)
         formats = ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in self.model.weight_formats().items())
@@ -88,9 +84,56 @@ class ModelRunner:
             log.info("CPU threads: %d (torch and the quantized kernels); %s", torch.get_num_threads(),
                      cpu_threads.wait_policy_note())
         # Decode steps replay CUDA graphs on a GPU; a CPU gains nothing from them.
-        self.decode_graphs = None if enforce_eager or self.device.type != "cuda" else DecodeGraphs(
-            self.model, self.kv_caches, block_size=block_size, scratch_slot=self.scratch_slot,
-            max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
+        self._use_graphs = not enforce_eager and self.device.type == "cuda"
+        self._max_num_seqs = max_num_seqs
+        self._host_weights: list[tuple[object, str, Tensor]] = []  # (owner, attribute, pinned copy) while asleep
+        self.allocate_kv_cache()
+
+    def allocate_kv_cache(self) -> None:
+        """(Re)allocate the KV cache tensor (zeroed, so resident at once) and, on CUDA, the decode graphs
+        over it (captured again as steps need them)."""
+        self.kv_cache = torch.zeros(
+            (self.config.num_hidden_layers, self.scratch_slot + 1, 2,
+             self.config.num_key_value_heads, self.config.head_dim), dtype=self.dtype, device=self.device)
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        self.decode_graphs = None if not self._use_graphs else DecodeGraphs(
+            self.model, self.kv_caches, block_size=self.block_size, scratch_slot=self.scratch_slot,
+            max_num_seqs=self._max_num_seqs, max_model_len=self.max_model_len)
+
+    def release_kv_cache(self) -> int:
+        """Drop the KV cache tensor (and the graphs that read it) so its
+        memory goes back to the allocator; bytes released. Everything it
+        held is lost: the caller empties the prefix cache."""
+        num_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        self.kv_cache = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.kv_caches, self.decode_graphs = [], None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return num_bytes
+
+    def offload_weights(self) -> int:
+        """CUDA: move the model's tensors to pinned host memory (a level-1
+        sleep frees the GPU but keeps the weights a copy away); bytes moved.
+        Elsewhere the weights already are in host memory: 0."""
+        if self.device.type != "cuda" or self._host_weights:
+            return 0
+        copies: dict[int, Tensor] = {}  # tied weights stay one tensor
+        for owner, name, value in list(_tensor_attributes(self.model)):
+            if value.device.type == "cuda":
+                host = copies.setdefault(id(value), value.to("cpu").pin_memory())
+                self._host_weights.append((owner, name, host))
+                object.__setattr__(owner, name, host)  # a weight may be a frozen dataclass
+        torch.cuda.empty_cache()
+        return sum(t.numel() * t.element_size() for t in copies.values())
+
+    def restore_weights(self) -> None:
+        """Undo offload_weights: the pinned copies back to the device."""
+        restored: dict[int, Tensor] = {}
+        for owner, name, host in self._host_weights:
+            object.__setattr__(owner, name, restored.setdefault(id(host), host.to(self.device, non_blocking=True)))
+        self._host_weights = []
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: "SchedulerOutput",
@@ -153,3 +196,24 @@ class ModelRunner:
             out.token_ids.update(plain.token_ids)
             out.logprobs.update(plain.logprobs)
         return out
+
+def _tensor_attributes(model: object) -> Iterator[tuple[object, str, Tensor]]:
+    """(owner, attribute, tensor) for every tensor the model holds, through
+    its layers and weight objects (dense, quantized, split), each once."""
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        owner = stack.pop()
+        if id(owner) in seen:
+            continue
+        seen.add(id(owner))
+        for name, value in list(vars(owner).items()):
+            if isinstance(value, Tensor):
+                yield owner, name, value
+            else:
+                stack.extend(v for v in (value if isinstance(value, list) else [value]) if _holds_weights(v))
+
+
+def _holds_weights(value: object) -> bool:
+    """kvserve's own model objects (layers, weights), not tensors or configs' plain values."""
+    return type(value).__module__.startswith("kvserve.model.") and hasattr(value, "__dict__")

@@ -123,6 +123,7 @@ def build_serving(args: argparse.Namespace, phases=None):
                           versions=loaded.versions)
     serving = Serving(core, admission, server, tenants, versions=loaded.versions)
     serving.startup = phases
+    serving.reload_weights = lambda: load_model(args.model, quantization=args.quantization).weights  # a wake from sleep level 2
     return serving
 
 

@@ -34,7 +34,8 @@ _NOT_AN_OBJECT = {"model_attributes_type", "model_type", "dict_type"}
 # What a request that ended before its first token was told, by abort reason.
 _ENDED_MESSAGES = {Reason.QUEUE_TIMEOUT: "the request waited too long in the queue and did not start",
                    Reason.DEADLINE: "the request could not start before its deadline",
-                   "shutdown": "the server is shutting down"}
+                   "shutdown": "the server is shutting down",
+                   "sleep": "the server went to sleep before the request started"}
 
 
 class APIError(Exception):

@@ -82,9 +82,34 @@ async def health(request: Request):
 @router.get("/ready")
 async def ready(request: Request):
     serving = _serving(request)
+    if serving.sleep_level:
+        raise APIError(503, f"not ready: asleep (level {serving.sleep_level}); POST /wake_up", "unavailable",
+                       "sleeping")
     if not serving.ready:
         raise serving.not_ready_error()
     return {"status": "ready"}
+
+
+@router.post("/sleep")
+async def sleep(request: Request, level: int = 1, authorization: str | None = Header(default=None)):
+    """vLLM's sleep mode: level 1 frees the KV cache (weights kept), level 2
+    drops the weights too; not ready (503) until /wake_up."""
+    serving = _serving(request)
+    serving.authenticate(authorization)
+    return await serving.sleep(level)
+
+
+@router.post("/wake_up")
+async def wake_up(request: Request, authorization: str | None = Header(default=None)):
+    serving = _serving(request)
+    serving.authenticate(authorization)
+    return await serving.wake_up()
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(request: Request):
+    serving = _serving(request)
+    return {"is_sleeping": bool(serving.sleep_level), "level": serving.sleep_level}
 
 
 @router.get("/metrics")

@@ -84,6 +84,8 @@ class Serving:
         # Filled by whoever builds the engine (server.cli.build_serving), then the warm-up.
         self.startup = StartupPhases()
         self.sleep_level = 0  # 0 awake; 1 KV cache freed; 2 weights dropped too
+        # Reads the weights again for a wake from level 2 (server.cli sets it; None: level 2 refused).
+        self.reload_weights: Callable[[], dict] | None = None
 
     # ---- lifecycle ---------------------------------------------------------
 
@@ -117,11 +119,15 @@ class Serving:
         """Stop admitting; let in-flight requests finish for up to grace_s,
         then abort the rest (503 / finish_reason "abort")."""
         self.draining = True
-        deadline = self._drain_deadline = time.monotonic() + grace_s
+        self._drain_deadline = time.monotonic() + grace_s
+        await self._finish_in_flight(grace_s, "shutdown")
+
+    async def _finish_in_flight(self, grace_s: float, reason: str) -> None:
+        deadline = time.monotonic() + grace_s
         while self.engine.num_streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for rid in list(self.engine.streams):
-            self.engine.abort(rid, "shutdown")
+            self.engine.abort(rid, reason)
         flush_deadline = time.monotonic() + 2.0
         while self.engine.num_streams and time.monotonic() < flush_deadline:
             await asyncio.sleep(0.02)
@@ -131,7 +137,44 @@ class Serving:
 
     @property
     def ready(self) -> bool:
-        return self.started and not self.draining and self.engine.dead is None
+        return self.started and not self.draining and self.engine.dead is None and not self.sleep_level
+
+    # ---- sleep and wake (vLLM's endpoints) --------------------------------
+
+    async def sleep(self, level: int) -> dict:
+        """Stop admitting (503 "sleeping"), let in-flight requests finish for
+        up to the shutdown grace and abort the rest, then free the KV cache
+        (level 1) and the weights too (level 2) on the engine thread."""
+        if level not in (1, 2):
+            raise APIError(400, f"level must be 1 or 2, got {level}", param="level")
+        if level == 2 and self.reload_weights is None:
+            raise APIError(400, "level 2 drops the weights, and this server cannot read them again",
+                           param="level")
+        if self.sleep_level:
+            return {"is_sleeping": True, "level": self.sleep_level, "freed_bytes": 0}
+        self.sleep_level = level  # from here requests get 503 and /ready says so
+        self.metrics.sleeping.set(level)
+        await self._finish_in_flight(self.config.shutdown_grace_s, "sleep")
+        freed = await self.engine.call(lambda: self.core.sleep(level))
+        log.info("asleep at level %d: %.1f MiB freed", level, freed / 2**20)
+        return {"is_sleeping": True, "level": level, "freed_bytes": freed}
+
+    async def wake_up(self) -> dict:
+        """Back to serving: weights read again after level 2, the KV cache
+        allocated (empty); the time it took is the `wake_up` startup phase."""
+        if not self.sleep_level:
+            return {"is_sleeping": False, "wake_up_s": 0.0}
+        start = time.perf_counter()
+        weights = None
+        if self.sleep_level == 2 and self.reload_weights is not None:
+            weights = await asyncio.to_thread(self.reload_weights)
+        await self.engine.call(lambda: self.core.wake_up(weights))
+        wake_up_s = time.perf_counter() - start
+        self.sleep_level = 0
+        self.metrics.sleeping.set(0)
+        self.metrics.record_startup({"wake_up": wake_up_s})
+        log.info("awake in %.3f s", wake_up_s)
+        return {"is_sleeping": False, "wake_up_s": wake_up_s}
 
     # ---- engine events (event loop thread): metrics ---------------------------
 
@@ -299,6 +342,9 @@ class Serving:
                            headers={"Retry-After": str(self._retry_after_s(self._drain_left_s()))})
         if self.engine.dead is not None:
             raise APIError(503, f"the engine failed: {self.engine.dead}", "unavailable", "engine_dead")
+        if self.sleep_level:
+            raise APIError(503, f"the server is asleep (level {self.sleep_level}); POST /wake_up to serve again",
+                           "unavailable", "sleeping")
 
     def not_ready_error(self) -> APIError:
         """/ready's 503: starting, shutting down, or the engine failed. While

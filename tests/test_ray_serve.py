@@ -92,6 +92,13 @@ def _ingress_counter(url: str, outcome: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(key))
 
 
+def _measure_drain(url: str, body: dict) -> None:
+    """A few short requests first: a cold fleet's queue has an unbounded
+    expected wait (no drain measured yet), which the ingress refuses."""
+    assert [r.status_code for r in asyncio.run(_burst(url, 4, {**body, "max_tokens": 4}))] == [200] * 4
+    time.sleep(1.5)  # a stats period or two: the views see the drain
+
+
 def test_openai_client_and_router_spread_over_two_tiny_replicas(cluster, tiny_folder):
     _deploy({**TINY, "model": tiny_folder, "num_replicas": 2})
     try:
@@ -124,6 +131,7 @@ def test_burst_scales_one_to_two_and_back_after_the_delay_losing_nothing(cluster
     try:
         assert _replica_counts() == {"RUNNING": 1}
         body = {"model": "sim", "prompt": "queue up", "max_tokens": 20}
+        _measure_drain(cluster, body)
         counts: list[dict] = []
 
         async def burst_while_watching() -> list[httpx.Response]:
@@ -141,7 +149,7 @@ def test_burst_scales_one_to_two_and_back_after_the_delay_losing_nothing(cluster
         responses = asyncio.run(burst_while_watching())
         assert [r.status_code for r in responses] == [200] * 32
         assert len({r.headers["x-request-id"] for r in responses}) == 32
-        assert _ingress_counter(cluster, "answered") == 32  # each sent once: none lost, none twice
+        assert _ingress_counter(cluster, "answered") == 32 + 4  # each sent once: none lost, none twice
         assert _ingress_counter(cluster, "replica_gone") == 0
         assert max(sum(c.values()) for c in counts) == 2, counts  # the queue wait asked for a second
         assert wait_until(lambda: _replica_counts().get("RUNNING") == 2, timeout_s=60, period_s=0.5)
@@ -156,9 +164,7 @@ def test_killed_replicas_waiting_requests_are_answered_by_another(cluster):
     _deploy({**SLOW_SIM, "num_replicas": 2, "router": "round-robin"})
     try:
         body = {"model": "sim", "prompt": "survive", "max_tokens": 20}
-        # Measured drain first: a cold fleet's queue has an unbounded expected wait (429 at the ingress).
-        assert [r.status_code for r in asyncio.run(_burst(cluster, 4, {**body, "max_tokens": 4}))] == [200] * 4
-        time.sleep(1.5)  # a stats period or two: the views see the drain
+        _measure_drain(cluster, body)
 
         async def run() -> list[httpx.Response]:
             burst = asyncio.create_task(_burst(cluster, 12, body))
@@ -177,3 +183,26 @@ def test_killed_replicas_waiting_requests_are_answered_by_another(cluster):
 def _model_replica_actors() -> list:
     return [ray.get_actor(a["name"], namespace=a["namespace"])
             for a in ray.util.list_named_actors(all_namespaces=True) if MODEL_DEPLOYMENT in a["name"]]
+
+
+def _ingress_gauge(url: str, name: str) -> float | None:
+    lines = [line for line in httpx.get(f"{url}/metrics").text.splitlines() if line.startswith(name + " ")]
+    return float(lines[0].split()[-1]) if lines else None
+
+
+def test_warm_pool_sleeps_an_idle_replica_and_wakes_it_for_a_burst(cluster):
+    _deploy({**SLOW_SIM, "min_replicas": 2, "max_replicas": 2, "sleep_idle": True, "look_back": 3,
+             "scale_down_delay": 2})
+    try:
+        body = {"model": "sim", "prompt": "wake up", "max_tokens": 20}
+        assert asyncio.run(_burst(cluster, 2, {**body, "max_tokens": 2}))[0].status_code == 200
+        assert wait_until(lambda: _ingress_gauge(cluster, "kvserve_ray_replicas_sleeping") == 1.0,
+                          timeout_s=30, period_s=0.5), "an idle replica of the pool never went to sleep"
+        assert _replica_counts() == {"RUNNING": 2}  # asleep, not gone
+
+        responses = asyncio.run(_burst(cluster, 16, body, gap_s=0.2))
+        assert [r.status_code for r in responses] == [200] * 16
+        assert len({r.headers["x-kvserve-replica"] for r in responses}) == 2  # the sleeper woke and served
+        assert _ingress_gauge(cluster, "kvserve_ray_replicas_awake_target") is not None
+    finally:
+        serve.delete(APP)

@@ -17,7 +17,7 @@ import logging
 
 from kvserve.fleet.autoscale import AutoscaleConfig, ReplicaSignals, ScaleState, decide
 
-log = logging.getLogger("ray.serve")
+log = logging.getLogger("ray.serve." + __name__)
 
 _SIGNALS = ReplicaSignals._fields
 

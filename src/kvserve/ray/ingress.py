@@ -43,10 +43,11 @@ from kvserve.gateway.inbound import BYTES_PER_TOKEN, read_inbound
 from kvserve.gateway.proxy import usage_tokens
 from kvserve.metrics import CONTENT_TYPE_LATEST
 from kvserve.ray.forward import ForwardedRequest, ResponseStart
-from kvserve.ray.router import replica_views
+from kvserve.ray.views import replica_views
 from kvserve.server import protocol
 
-log = logging.getLogger(__name__)
+# Under "ray.serve": Ray Serve sends its loggers to the replica logs.
+log = logging.getLogger("ray.serve." + __name__)
 
 # Sends of one request: the first and, after replicas died under it, others.
 MAX_ATTEMPTS = 3
@@ -143,9 +144,7 @@ class Ingress:
         self.metrics = IngressMetrics()
         self._id_prefix = secrets.token_hex(4)
         self._ids = itertools.count()
-        self._warm_pool_task = None
-        if self.config.warm_pool is not None:
-            self._warm_pool_task = asyncio.get_event_loop().create_task(self._run_warm_pool())
+        self._warm_pool_task: asyncio.Task | None = None  # started by the first request, on the serving loop
 
     # ---- routes ------------------------------------------------------------
     @app.post("/v1/completions")
@@ -175,6 +174,8 @@ class Ingress:
 
     # ---- requests ----------------------------------------------------------
     async def _guarded(self, call) -> Response:
+        if self.config.warm_pool is not None and self._warm_pool_task is None:
+            self._warm_pool_task = asyncio.get_running_loop().create_task(self._run_warm_pool())
         try:
             return await call
         except IngressError as exc:

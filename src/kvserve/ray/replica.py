@@ -35,7 +35,8 @@ from kvserve.fleet.autoscale import ReplicaSignals, signals_of
 from kvserve.ray.forward import ForwardedRequest, ResponseStart, run_asgi
 from kvserve.startup import StartupPhases
 
-log = logging.getLogger(__name__)
+# Under "ray.serve": Ray Serve sends its loggers to the replica logs.
+log = logging.getLogger("ray.serve." + __name__)
 
 QUEUE_TIME_METRIC = "vllm:request_queue_time_seconds"
 REPLICA_HEADER = b"x-kvserve-replica"

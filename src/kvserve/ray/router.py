@@ -12,82 +12,25 @@ queue length against `max_ongoing_requests`, which kvserve sets high, so
 Ray's own queue never decides in kvserve's place.
 
 The router lives in the process that owns the deployment handle (the
-ingress); `replica_views` lets the ingress read the same views for its
-fleet admission (refuse before any replica when none can start in time)
-and its warm pool (which replicas sleep).
+ingress); the views live in kvserve.ray.views, where the ingress reads
+them for its fleet admission and its warm pool.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import time
 from collections.abc import Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvserve.fleet.router import RouteRequest, Router, RouterConfig
-from kvserve.gateway.backends import BackendView, Scrape, Sent
-from kvserve.gateway.config import BackendConfig, BreakerConfig
+from kvserve.gateway.backends import Sent
 from kvserve.ray.forward import ForwardedRequest
+from kvserve.ray.views import replica_views
 
-log = logging.getLogger(__name__)
-
-
-
-class ReplicaViews:
-    """BackendViews of Ray replicas, refreshed from their routing stats.
-    Pure bookkeeping (no Ray calls), so it is tested without a cluster."""
-
-    def __init__(self, clock=time.monotonic) -> None:
-        self.views: dict[str, BackendView] = {}
-        self.clock = clock
-        self._numbers: dict[str, int] = {}
-        self.sleeping: dict[str, int] = {}
-
-    def refresh(self, replica_id: str, stats: dict | None) -> BackendView:
-        view = self.views.get(replica_id)
-        stats = stats or {}
-        if view is None or (view.config.num_kv_blocks is None and stats.get("num_kv_blocks")):
-            config = BackendConfig(f"http://{replica_id}", replica_id, stats.get("num_kv_blocks"),
-                                   stats.get("block_size"))  # identity only: reached by its actor handle
-            view = self.views[replica_id] = BackendView(config, BreakerConfig(), self.clock)
-        number = stats.get("number")
-        if number is not None and number != self._numbers.get(replica_id) and "scrape" in stats:
-            self._numbers[replica_id] = number
-            view.record_scrape(Scrape(**stats["scrape"]), bool(stats.get("ready")))
-            self.sleeping[replica_id] = int(stats.get("sleeping") or 0)
-        return view
-
-    def forget_except(self, replica_ids: set[str]) -> None:
-        for gone in set(self.views) - replica_ids:
-            del self.views[gone]
-            self._numbers.pop(gone, None)
-            self.sleeping.pop(gone, None)
-
-    def rank(self, router: Router, ids: Sequence[str], route: RouteRequest,
-             exclude: frozenset[str] = frozenset()) -> list[list[str]]:
-        """[[chosen], [other awake], [asleep]]; empty ranks dropped. Before a
-        replica's first stats it counts as awake and idle (it is running)."""
-        candidates = [i for i in ids if i not in exclude]
-        awake = [i for i in candidates if not self.sleeping.get(i)]
-        asleep = [i for i in candidates if self.sleeping.get(i)]
-        ranks: list[list[str]] = []
-        if awake:
-            views = [self.views[i] for i in awake]
-            chosen = awake[router.pick(views, route).position]
-            ranks = [[chosen], [i for i in awake if i != chosen]]
-        ranks.append(asleep)
-        return [r for r in ranks if r]
-
-
-# Each deployment's replica views in this process, by deployment name: Ray
-# builds the router inside the handle, the ingress reads the same views.
-_BY_DEPLOYMENT: dict[str, ReplicaViews] = {}
-
-
-def replica_views(deployment_name: str) -> ReplicaViews:
-    return _BY_DEPLOYMENT.setdefault(deployment_name, ReplicaViews())
+# Under "ray.serve": Ray Serve sends its loggers to the replica logs.
+log = logging.getLogger("ray.serve." + __name__)
 
 
 class KVServeRouter(RequestRouter):
@@ -114,7 +57,12 @@ class KVServeRouter(RequestRouter):
         return [[by_id[i] for i in rank] for rank in ranks]
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Ray's broadcast of the replica set, with their latest routing
+        stats: the views follow it between requests too (the warm pool and
+        fleet admission read them)."""
         super().update_replicas(replicas)
+        for replica in replicas:
+            self._replica_views.refresh(replica.replica_id.unique_id, replica.routing_stats)
         self._replica_views.forget_except({r.replica_id.unique_id for r in replicas})
 
     def on_send_request(self, replica_id: ReplicaID) -> None:

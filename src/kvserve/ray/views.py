@@ -1,0 +1,73 @@
+"""What the ingress process knows of each model replica: one
+`gateway.backends.BackendView` per Ray replica, refreshed from the routing
+stats the replica records (`ModelReplica.record_routing_stats`), plus its
+sleep level. The router (kvserve.ray.router) fills and ranks them; the
+ingress reads the same ones for its fleet admission and warm pool.
+
+Its own module, imported by reference: Ray pickles a request router's
+module by value (a copy of its globals per unpickling), so a registry kept
+there would not be the one the ingress sees. Pure bookkeeping, no Ray.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from kvserve.fleet.router import RouteRequest, Router
+from kvserve.gateway.backends import BackendView, Scrape
+from kvserve.gateway.config import BackendConfig, BreakerConfig
+
+
+class ReplicaViews:
+    """BackendViews of Ray replicas, refreshed from their routing stats.
+    Pure bookkeeping (no Ray calls), so it is tested without a cluster."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self.views: dict[str, BackendView] = {}
+        self.clock = clock
+        self._numbers: dict[str, int] = {}
+        self.sleeping: dict[str, int] = {}
+
+    def refresh(self, replica_id: str, stats: dict | None) -> BackendView:
+        view = self.views.get(replica_id)
+        stats = stats or {}
+        if view is None or (view.config.num_kv_blocks is None and stats.get("num_kv_blocks")):
+            config = BackendConfig(f"http://{replica_id}", replica_id, stats.get("num_kv_blocks"),
+                                   stats.get("block_size"))  # identity only: reached by its actor handle
+            view = self.views[replica_id] = BackendView(config, BreakerConfig(), self.clock)
+        number = stats.get("number")
+        if number is not None and number != self._numbers.get(replica_id) and "scrape" in stats:
+            self._numbers[replica_id] = number
+            view.record_scrape(Scrape(**stats["scrape"]), bool(stats.get("ready")))
+            self.sleeping[replica_id] = int(stats.get("sleeping") or 0)
+        return view
+
+    def forget_except(self, replica_ids: set[str]) -> None:
+        for gone in set(self.views) - replica_ids:
+            del self.views[gone]
+            self._numbers.pop(gone, None)
+            self.sleeping.pop(gone, None)
+
+    def rank(self, router: Router, ids: Sequence[str], route: RouteRequest,
+             exclude: frozenset[str] = frozenset()) -> list[list[str]]:
+        """[[chosen], [other awake], [asleep]]; empty ranks dropped. Before a
+        replica's first stats it counts as awake and idle (it is running)."""
+        candidates = [i for i in ids if i not in exclude]
+        awake = [i for i in candidates if not self.sleeping.get(i)]
+        asleep = [i for i in candidates if self.sleeping.get(i)]
+        ranks: list[list[str]] = []
+        if awake:
+            views = [self.views[i] for i in awake]
+            chosen = awake[router.pick(views, route).position]
+            ranks = [[chosen], [i for i in awake if i != chosen]]
+        ranks.append(asleep)
+        return [r for r in ranks if r]
+
+
+# Each deployment's views in this process, by deployment name.
+_BY_DEPLOYMENT: dict[str, ReplicaViews] = {}
+
+
+def replica_views(deployment_name: str) -> ReplicaViews:
+    return _BY_DEPLOYMENT.setdefault(deployment_name, ReplicaViews())

@@ -1,0 +1,100 @@
+"""kvserve.ray's parts without a cluster: the replica views the router
+ranks (fleet.router's decision first, sleeping replicas last, failed ones
+left out), a forwarded request answered by the server's app in process
+(and a reader that leaves aborting it), the replica's queue-wait p95 from
+its histogram, and the application's args."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+
+from kvserve.fleet.router import RouteRequest, Router, RouterConfig
+from kvserve.gateway.backends import Scrape
+from kvserve.ray.forward import ForwardedRequest, ResponseStart, run_asgi
+from kvserve.ray.replica import HistogramWindow
+from kvserve.ray.views import ReplicaViews
+from kvserve.ray_app import parse_app_args
+from kvserve.server.app import create_app
+from tests.server_helpers import live_server, slow_steps, tiny_core
+
+
+def _stats(number: int, running: int, sleeping: int = 0) -> dict:
+    scrape = Scrape(num_running=running, num_waiting=0, kv_usage=0.1, finished_total=10.0)
+    return {"scrape": dataclasses.asdict(scrape), "ready": not sleeping, "sleeping": sleeping,
+            "num_kv_blocks": 100, "block_size": 16, "number": number}
+
+
+def test_views_rank_the_routers_choice_first_and_sleepers_last():
+    views = ReplicaViews(clock=time.monotonic)
+    views.refresh("a", _stats(1, running=5))
+    views.refresh("b", _stats(1, running=1))
+    views.refresh("c", _stats(1, running=0, sleeping=1))
+    router = Router(RouterConfig("least-loaded"))
+    assert views.rank(router, ["a", "b", "c"], RouteRequest(10, 10)) == [["b"], ["a"], ["c"]]
+    assert views.rank(router, ["a", "b", "c"], RouteRequest(10, 10), frozenset({"b"})) == [["a"], ["c"]]
+    # A control request to the sleeper alone (the warm pool's wake_up).
+    assert views.rank(router, ["a", "b", "c"], RouteRequest(), frozenset({"a", "b"})) == [["c"]]
+
+
+def test_views_take_a_stats_number_once_and_forget_gone_replicas():
+    views = ReplicaViews(clock=time.monotonic)
+    view = views.refresh("a", _stats(1, running=2))
+    view.on_send(32)  # sent since those stats: counted as running
+    assert views.refresh("a", _stats(1, running=2)).num_running == 3  # same stats: not re-read
+    assert views.refresh("a", _stats(2, running=2)).num_running == 2  # new stats show it
+    views.forget_except({"b"})
+    assert views.views == {}
+
+
+def test_histogram_window_p95_over_the_look_back():
+    window = HistogramWindow(look_back_s=10.0)
+    bounds = (0.1, 0.5, 1.0, float("inf"))
+    window.observe(0.0, [(b, 0.0) for b in bounds])
+    window.observe(5.0, list(zip(bounds, (18.0, 18.0, 20.0, 20.0))))  # 2 of 20 waited 0.5..1 s
+    assert window.p95_s() == 1.0
+    # 25 s later, 20 more that waited < 0.1 s: the window (from t=5 on) no longer holds the slow two.
+    window.observe(30.0, list(zip(bounds, (38.0, 38.0, 40.0, 40.0))))
+    assert window.p95_s() == 0.1
+
+
+def test_a_forwarded_request_is_answered_by_the_app_and_a_leaving_reader_aborts_it():
+    server = live_server(slow_steps(tiny_core(), 0.02))
+    app = create_app(server.serving)
+
+    async def run() -> None:
+        await server.serving.start()
+        try:
+            body = b'{"model": "tiny", "prompt": "hello", "max_tokens": 4}'
+            headers = ((b"content-type", b"application/json"),)
+            items = [x async for x in run_asgi(app, ForwardedRequest("POST", "/v1/completions", body, headers))]
+            assert isinstance(items[0], ResponseStart) and items[0].status == 200
+            assert b'"completion_tokens":4' in b"".join(items[1:])
+
+            stream_body = b'{"model": "tiny", "prompt": "hello", "max_tokens": 200, "stream": true}'
+            events = run_asgi(app, ForwardedRequest("POST", "/v1/completions", stream_body, headers))
+            start = await events.__anext__()
+            assert start.header("content-type").startswith("text/event-stream")
+            await events.__anext__()
+            await events.aclose()  # the ingress's client left
+            for _ in range(100):
+                if server.serving.engine.num_streams == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert server.serving.engine.num_streams == 0  # aborted, its KV freed
+        finally:
+            await server.serving.stop()
+
+    asyncio.run(run())
+
+
+def test_app_args_from_a_dict_as_serve_run_gives_them():
+    args = parse_app_args({"model": "/m", "num_replicas": "2", "sleep_idle": "true", "kv-cache-memory": "1GiB",
+                           "no_warm_up": True, "router": "round-robin"})
+    assert (args.model, args.num_replicas, args.sleep_idle, args.kv_cache_memory, args.warm_up) == \
+        ("/m", 2, True, "1GiB", False)
+    with pytest.raises(ValueError):
+        parse_app_args({"router": "nearest"})

@@ -74,17 +74,19 @@ def test_a_forwarded_request_is_answered_by_the_app_and_a_leaving_reader_aborts_
             assert isinstance(items[0], ResponseStart) and items[0].status == 200
             assert b'"completion_tokens":4' in b"".join(items[1:])
 
-            stream_body = b'{"model": "tiny", "prompt": "hello", "max_tokens": 200, "stream": true}'
+            stream_body = b'{"model": "tiny", "prompt": "hello", "max_tokens": 400, "stream": true}'
             events = run_asgi(app, ForwardedRequest("POST", "/v1/completions", stream_body, headers))
             start = await events.__anext__()
             assert start.header("content-type").startswith("text/event-stream")
             await events.__anext__()
-            await events.aclose()  # the ingress's client left
-            for _ in range(100):
+            left = time.monotonic()
+            await events.aclose()  # the ingress's client left (400 tokens would take 8 s more)
+            assert time.monotonic() - left < 2.0
+            for _ in range(40):  # the abort reaches the engine thread within a step or two
                 if server.serving.engine.num_streams == 0:
                     break
                 await asyncio.sleep(0.05)
-            assert server.serving.engine.num_streams == 0  # aborted, its KV freed
+            assert server.serving.engine.num_streams == 0 and time.monotonic() - left < 3.0
         finally:
             await server.serving.stop()
 

@@ -163,3 +163,34 @@ def test_ray_policy_holds_while_a_replica_starts():
     policy = KVServeAutoscalingPolicy(min_replicas=1, max_replicas=4)
     ctx = _context({"r1": {"queue_wait_p95_s": 3.0}}, now=5.0, target=2)  # 1 running, 2 targeted
     assert policy(ctx)[0] == 2
+
+
+def test_the_simulator_and_ray_make_the_same_scaling_decisions():
+    """One policy: each autoscaling check of a simulated fleet (a burst, then
+    quiet) replayed through the Ray Serve hook gives the same answer."""
+    import dataclasses
+
+    from kvserve.bench.arrivals import arrival_offsets, parse_arrival
+    from kvserve.bench.workload import generate_requests
+    from kvserve.config import AdmissionConfig
+    from kvserve.ray.autoscaling import KVServeAutoscalingPolicy
+    from kvserve.sim.simulator import AutoscaleConfig as SimAutoscale
+    from kvserve.sim.simulator import Simulator
+    from tests.test_sim_simulator import COST, fixed_mix, replica_config
+
+    rule = SimAutoscale(max_replicas=4, interval_s=2.0, cold_start_s=6.0, warm_pool=1, warm_start_s=0.5,
+                        look_back_s=5.0, scale_down_delay_s=8.0)
+    offsets = arrival_offsets(parse_arrival("step:rates=5/60/2,step=10"), None, 40.0, seed=3)
+    specs = generate_requests(fixed_mix(200, 30), len(offsets), seed=3)
+    result = Simulator(replica_config(AdmissionConfig(), autoscale=rule), COST).run(specs, offsets)
+    policy = KVServeAutoscalingPolicy(**dataclasses.asdict(rule.policy(1)))
+    reasons = set()
+    for now, signals, num_starting, state, decision in result.scale_trace:
+        per_replica = {f"r{i}": {k: float(v) for k, v in s._asdict().items()} for i, s in enumerate(signals)}
+        ctx = _context(per_replica, now, {"calm_since_s": state.calm_since_s})
+        ctx.target_num_replicas = len(signals) + num_starting
+        num_replicas, ray_state = policy(ctx)
+        assert (num_replicas, ray_state["num_awake"], ray_state["reason"]) == \
+            (decision.num_replicas, decision.num_awake, decision.reason), now
+        reasons.add(decision.reason)
+    assert {QUEUE_WAIT, SCALE_DOWN} <= reasons or {"kv_usage", SCALE_DOWN} <= reasons, reasons

@@ -31,6 +31,7 @@ from kvserve.plan.presets import ModelSpec, resolve_model
 from kvserve.plan.roofline import RooflineCostModel
 from kvserve.sim.cost_model import CostModel, LinearCostModel, resolve_hardware, with_step_jitter
 from kvserve.fleet.router import ROUTERS
+from kvserve.fleet.autoscale import KV_TARGET, QUEUE_WAIT_TARGET_S
 from kvserve.sim.simulator import AutoscaleConfig, SimConfig, Simulator
 from kvserve.sim.speculation import SimSpeculation
 
@@ -90,15 +91,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--no-admission", action="store_true",
                      help="send every request straight to the scheduler (the no-front-door baseline)")
     sim.add_argument("--autoscale-max-replicas", type=int, default=None,
-                     help="enable the scale-out rule, up to this many replicas")
+                     help="autoscale by kvserve's policy (fleet.autoscale, as kvserve ray), up to this many "
+                          "replicas")
     sim.add_argument("--autoscale-interval", type=float, default=10.0,
-                     help="seconds between scale-out checks")
+                     help="seconds between autoscaling checks")
+    sim.add_argument("--autoscale-queue-wait-target", type=float, default=QUEUE_WAIT_TARGET_S,
+                     help="autoscaling: the p95 queue wait to hold (seconds)")
+    sim.add_argument("--autoscale-kv-target", type=float, default=KV_TARGET,
+                     help="autoscaling: the mean KV usage to stay under (fraction)")
+    sim.add_argument("--autoscale-look-back", type=float, default=10.0,
+                     help="autoscaling: the window of the queue-wait p95 (seconds)")
+    sim.add_argument("--autoscale-scale-down-delay", type=float, default=60.0,
+                     help="autoscaling: how long the fleet must look over-provisioned before a replica "
+                          "leaves (seconds)")
     sim.add_argument("--cold-start", type=float, default=60.0,
                      help="seconds from scale-out to serving for a cold replica (load weights, warm up)")
     sim.add_argument("--warm-pool", type=int, default=0,
-                     help="pre-started replicas: the first scale-outs serve after --warm-start instead")
+                     help="replicas held asleep from the start (the warm pool): woken before any new one is "
+                          "started, serving after --warm-start")
     sim.add_argument("--warm-start", type=float, default=0.0,
-                     help="seconds from scale-out to serving for a warm-pool replica")
+                     help="seconds from wake-up to serving for a warm-pool replica")
     flags.add_speculative_arguments(sim)
     sim.add_argument("--spec-acceptance-rate", type=float, default=None,
                      help="simulate speculative decoding (--speculative-config's k and policy; ngram by "
@@ -181,7 +193,9 @@ def sim_config(args: argparse.Namespace, spec: ModelSpec, num_blocks: int) -> Si
     autoscale = None
     if args.autoscale_max_replicas is not None:
         autoscale = AutoscaleConfig(args.autoscale_max_replicas, args.autoscale_interval,
-                                    args.cold_start, args.warm_pool, args.warm_start)
+                                    args.cold_start, args.warm_pool, args.warm_start,
+                                    args.autoscale_queue_wait_target, args.autoscale_kv_target,
+                                    args.autoscale_look_back, args.autoscale_scale_down_delay)
     admission = None if args.no_admission else flags.admission_config(args)
     return SimConfig(
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,

@@ -37,6 +37,7 @@ from kvserve.admission.decision import AdmissionDecision, Reason, reject
 from kvserve.admission.loop import AdmissionLoop
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
 from kvserve.contract import Request
+from kvserve.fleet.autoscale import QueueWaitWindow
 from kvserve.fleet.backend_state import DrainMeter
 from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput
 from kvserve.sim.clock import VirtualClock
@@ -87,7 +88,7 @@ class Replica:
     def __init__(self, index: int, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  admission_config: AdmissionConfig | None, cost_model: CostModel, host: ReplicaHost,
                  clock: VirtualClock, ready_s: float, sim_clock: VirtualClock, *,
-                 fast_forward: bool = True, record_trace: bool = False,
+                 fast_forward: bool = True, record_trace: bool = False, look_back_s: float = 10.0,
                  speculation: SimSpeculation | None = None) -> None:
         self.index = index
         self.name = f"replica-{index}"  # its identity on the router's hash ring
@@ -125,6 +126,11 @@ class Replica:
         # (the simulation observes it at arrivals and ends).
         self.drain = DrainMeter()
         self.num_finished = 0
+        # What it would record for the autoscaler (queue waits, observed at
+        # each finish), and whether it serves.
+        self.queue_waits = QueueWaitWindow(look_back_s)
+        self.sleeping = False  # a warm-pool replica asleep: routed nothing
+        self.retired = False  # let go by the autoscaler: routed nothing, finishes what it has
         self.num_steps = 0
         self.busy_s = 0.0
         # How much of the work the fast path took (results never depend on it).

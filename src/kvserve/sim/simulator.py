@@ -11,7 +11,8 @@ loop moves time forward and hands each event to its replica:
     step      -> the replica's step ends: scheduler.update() at that time
                  with a fixed sampled token, then its next step starts
     cancel    -> scheduler.abort() (the client's cancel_after_s)
-    autoscale -> maybe add a replica, ready after a cold start
+    autoscale -> fleet.autoscale.decide on what the replicas would record:
+                 wake a sleeping one, start a cold one, or let one drain
 
 A replica fast-forwards steady decode batches (multi-step decode runs) with
 the same results as single steps, applying a run's steps when the
@@ -36,7 +37,9 @@ from kvserve.bench.report import RequestRecord
 from kvserve.bench.workload import RequestSpec
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
 from kvserve.contract import Request, RequestFactory, SamplingParams
-from kvserve.fleet.backend_state import snapshot
+from kvserve.fleet.autoscale import KV_TARGET, QUEUE_WAIT_TARGET_S, ReplicaSignals, ScaleState, decide
+from kvserve.fleet.autoscale import AutoscaleConfig as FleetAutoscaleConfig
+from kvserve.fleet.backend_state import expected_wait_s, snapshot
 from kvserve.fleet.router import Router, RouterConfig, RouteRequest, affinity_key
 from kvserve.gc_pause import cyclic_gc_paused
 from kvserve.sim.clock import VirtualClock
@@ -54,26 +57,40 @@ _AUTOSCALE: Final = 2
 
 @dataclass(frozen=True)
 class AutoscaleConfig:
-    """A simple scale-out rule, checked every `interval_s`: add a replica when
-    the ready ones average KV usage above `scale_up_kv_usage`, or more than
-    `scale_up_waiting_per_replica` waiting requests, or rejected any request
-    since the last check. A new replica serves after `cold_start_s` (loading
-    weights, warming up) unless one of `warm_pool` pre-started replicas is
-    left, which serves after `warm_start_s`."""
+    """Autoscaling of the simulated fleet by the one policy
+    (fleet.autoscale.decide), checked every `interval_s` on what each ready
+    replica would record (its queue-wait p95 over `look_back_s`, the
+    expected wait of a new request, KV usage, asleep or not). A new replica
+    serves after `cold_start_s` (loading weights, warming up). `warm_pool`
+    replicas beyond the initial ones are held from the start, asleep: one
+    the policy wakes serves after `warm_start_s` (its wake-up), and awake
+    replicas the policy no longer needs go back to sleep once idle. Without
+    a warm pool, a replica the policy lets go drains (no new requests, its
+    own finish) and leaves."""
 
     max_replicas: int
     interval_s: float = 10.0
     cold_start_s: float = 60.0
     warm_pool: int = 0
     warm_start_s: float = 0.0
-    scale_up_kv_usage: float = 0.8
-    scale_up_waiting_per_replica: float = 4.0
+    queue_wait_target_s: float = QUEUE_WAIT_TARGET_S
+    kv_target: float = KV_TARGET
+    look_back_s: float = 10.0
+    scale_down_delay_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_replicas < 1 or self.interval_s <= 0 or self.cold_start_s < 0:
             raise ValueError("autoscale needs max_replicas >= 1, interval_s > 0, cold_start_s >= 0")
         if self.warm_pool < 0 or self.warm_start_s < 0:
             raise ValueError("warm_pool and warm_start_s must be >= 0")
+
+    def policy(self, num_replicas: int) -> FleetAutoscaleConfig:
+        """The policy's config for a fleet that starts with `num_replicas`
+        awake: those and the warm pool are always held."""
+        held = num_replicas + self.warm_pool
+        return FleetAutoscaleConfig(min_replicas=held, max_replicas=max(held, self.max_replicas),
+                                    queue_wait_target_s=self.queue_wait_target_s, kv_target=self.kv_target,
+                                    look_back_s=self.look_back_s, scale_down_delay_s=self.scale_down_delay_s)
 
 
 @dataclass(frozen=True)
@@ -138,13 +155,16 @@ class SimResult:
     records: list[RequestRecord]
     duration_s: float  # virtual seconds from 0 to the last event
     replicas: list[dict]
-    replica_timeline: list[tuple[float, int]]  # (time, replicas started so far)
+    replica_timeline: list[tuple[float, int]]  # (time, replicas awake or starting)
     num_steps: int
     traces: list[list[tuple]] | None = None
     num_decode_runs: int = 0  # the fast path's share: see Replica
     num_joined_steps: int = 0
     # With record_trace: (RouteRequest, [BackendState of each ready replica], RouteDecision).
     route_trace: list[tuple] | None = None
+    # Each autoscaling check: (time, [ReplicaSignals of the ready replicas], replicas starting,
+    # ScaleState before, ScaleDecision): what fleet.autoscale.decide was given and answered.
+    scale_trace: list[tuple] = field(default_factory=list)
 
 
 def synth_prompt(spec: RequestSpec) -> list[int]:
@@ -177,9 +197,16 @@ class Simulator(ReplicaHost):
         self._seq = 0
         self._live: dict[str, _Live] = {}
         self._records: list[RequestRecord] = []
-        self._rejections_since_check = 0
-        self._warm_left = config.autoscale.warm_pool if config.autoscale else 0
         self._requests = RequestFactory((SIM_EOS_TOKEN_ID,), config.cache_namespace, self.clock)
+        self._scale_state = ScaleState()
+        self._scale_trace: list[tuple] = []
+        if config.autoscale is not None:
+            self._scale_policy = config.autoscale.policy(config.num_replicas)
+            for i in range(config.num_replicas, config.num_replicas + config.autoscale.warm_pool):
+                pooled = self._new_replica(i, VirtualClock(), 0.0)
+                pooled.sleeping = True
+                self.replicas.append(pooled)
+        self._all_routable = not any(r.sleeping for r in self.replicas)  # none asleep or retired
         # Built once per distinct value, not per arrival: SamplingParams are
         # immutable (validated once).
         self._sampling_params: dict[int, SamplingParams] = {}
@@ -189,6 +216,7 @@ class Simulator(ReplicaHost):
         config = self.config
         return Replica(index, config.scheduler, config.cache, config.admission, self.cost_model, self, clock,
                        ready_s, self.clock, fast_forward=config.fast_forward, record_trace=config.record_trace,
+                       look_back_s=config.autoscale.look_back_s if config.autoscale is not None else 10.0,
                        speculation=config.speculation)
 
     # -- the loop ----------------------------------------------------------
@@ -218,7 +246,8 @@ class Simulator(ReplicaHost):
                          [r.trace for r in self.replicas if r.trace is not None]
                          if self.config.record_trace else None,
                          sum(r.num_decode_runs for r in self.replicas),
-                         sum(r.num_joined_steps for r in self.replicas), self._route_trace)
+                         sum(r.num_joined_steps for r in self.replicas), self._route_trace,
+                         scale_trace=self._scale_trace)
 
     def _loop(self, specs: list[RequestSpec], offsets_s: list[float]) -> None:
         next_arrival = 0
@@ -257,7 +286,7 @@ class Simulator(ReplicaHost):
         now = self.clock.now_s
         # The router reads every ready replica's load as of now; only the
         # chosen one's decode run needs its steps applied.
-        ready = self.replicas if now >= self._all_ready_s else [r for r in self.replicas if r.ready_s <= now]
+        ready = self.replicas if self._all_routable and now >= self._all_ready_s else self._routable(now)
         prompt = synth_prompt(spec)
         replica = self._route(ready, spec, prompt)
         replica.catch_up()
@@ -303,7 +332,6 @@ class Simulator(ReplicaHost):
     def _reject(self, spec: RequestSpec, status: int, reason: Reason | None, message: str) -> None:
         now = self.clock.now_s
         sent = now - self.config.frontend_latency_s
-        self._rejections_since_check += 1
         self._records.append(RequestRecord(
             index=spec.index, outcome="rejected", scheduled_s=sent, sent_s=sent, end_s=now,
             status_code=status, reject_reason=reason, tenant=spec.tenant, priority=spec.priority,
@@ -334,6 +362,8 @@ class Simulator(ReplicaHost):
             replica.admission.on_finished(request_id, request.num_tokens)
         stamps = request.timestamps
         queue_s = None if stamps.scheduled is None else stamps.scheduled - stamps.arrival
+        if queue_s is not None:  # recorded at the finish, as a server's queue-time histogram is
+            replica.queue_waits.observe(replica.clock.now_s, queue_s)
         sent = stamps.arrival - self.config.frontend_latency_s
         self._records.append(RequestRecord(
             index=spec.index, outcome=outcome, scheduled_s=sent, sent_s=sent,
@@ -348,30 +378,48 @@ class Simulator(ReplicaHost):
             return tuple((t, 1) for t in token_times)
         return ((token_times[0], 1), (token_times[-1], len(token_times) - 1))
 
-    # -- scale-out ---------------------------------------------------------
+    # -- autoscaling -------------------------------------------------------
+    def _routable(self, now_s: float) -> list[Replica]:
+        return [r for r in self.replicas if r.ready_s <= now_s and not r.sleeping and not r.retired]
+
     def _autoscale(self, more_arrivals: bool) -> None:
+        """fleet.autoscale.decide on what the ready replicas would record,
+        then its answer applied: wake, sleep, start, or let one go."""
         rule = self.config.autoscale
         assert rule is not None  # the event is pushed only with autoscaling on
         now = self.clock.now_s
-        ready = [r for r in self.replicas if r.ready_s <= now]
+        held = [r for r in self.replicas if not r.retired]
+        ready = [r for r in held if r.ready_s <= now]
         for r in ready:
             r.catch_up()
-        starting = len(self.replicas) - len(ready)
-        stats = [r.scheduler.stats() for r in ready]
-        mean_kv = sum(s.kv_usage for s in stats) / max(1, len(stats))
-        mean_waiting = sum(s.num_waiting for s in stats) / max(1, len(stats))
-        pressed = (mean_kv > rule.scale_up_kv_usage or self._rejections_since_check > 0
-                   or mean_waiting > rule.scale_up_waiting_per_replica)
-        self._rejections_since_check = 0
-        # One replica per check, and none while another is still starting:
-        # a cold start is slow, and piling more on does not make it faster.
-        if pressed and starting == 0 and len(self.replicas) < rule.max_replicas:
-            delay_s = rule.cold_start_s
-            if self._warm_left > 0:
-                self._warm_left -= 1
-                delay_s = rule.warm_start_s
-            self.replicas.append(self._new_replica(len(self.replicas), VirtualClock(now), now + delay_s))
-            self._all_ready_s = max(self._all_ready_s, now + delay_s)
-            self.timeline.append((now, len(self.replicas)))
+        signals = [ReplicaSignals(r.queue_waits.p95_s(now), expected_wait_s(r), r.kv_usage, r.sleeping)
+                   for r in ready]
+        num_starting = len(held) - len(ready)
+        decision = decide(self._scale_policy, signals, self._scale_state, now, num_starting)
+        self._scale_trace.append((now, signals, num_starting, self._scale_state, decision))
+        self._scale_state = decision.state
+        self._apply_scale(rule, decision.num_replicas, decision.num_awake, ready, len(held), now)
         if more_arrivals or self._live:
             self._push(now + rule.interval_s, _AUTOSCALE, None)
+
+    def _apply_scale(self, rule: AutoscaleConfig, num_replicas: int, num_awake: int, ready: list[Replica],
+                     num_held: int, now: float) -> None:
+        awake = [r for r in ready if not r.sleeping]
+        asleep = [r for r in ready if r.sleeping]
+        for r in asleep[:max(0, num_awake - len(awake))]:  # woken before any new one starts
+            r.sleeping, r.ready_s = False, now + rule.warm_start_s
+            self._all_ready_s = max(self._all_ready_s, r.ready_s)
+        if rule.warm_pool:  # the pool's extra replicas sleep again, once idle
+            for r in awake[num_awake:]:
+                if r.load == 0:
+                    r.sleeping = True
+        for _ in range(num_replicas - num_held):
+            self.replicas.append(self._new_replica(len(self.replicas), VirtualClock(now), now + rule.cold_start_s))
+            self._all_ready_s = max(self._all_ready_s, now + rule.cold_start_s)
+        if num_replicas < num_held:  # drain one: an idle sleeper first, else the least loaded
+            leaving = min(ready, key=lambda r: (not r.sleeping, r.load))
+            leaving.retired = True
+        self._all_routable = not any(r.sleeping or r.retired for r in self.replicas)
+        serving = sum(1 for r in self.replicas if not r.sleeping and not r.retired)
+        if serving != self.timeline[-1][1]:
+            self.timeline.append((now, serving))

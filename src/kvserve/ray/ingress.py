@@ -104,6 +104,19 @@ class IngressMetrics:
         self.sleeping = Gauge("kvserve_ray_replicas_sleeping", "Replicas asleep in the warm pool.", registry=r)
         self.awake_target = Gauge("kvserve_ray_replicas_awake_target",
                                   "Replicas the warm pool keeps awake (fleet.autoscale.decide).", registry=r)
+        self.replicas = Gauge("kvserve_ray_replicas", "Model replicas the ingress sees.", registry=r)
+        self.startup = Gauge("kvserve_ray_replica_startup_seconds",
+                             "Each replica's start-to-ready by phase (imports, weight_load, kv_allocation, warm_up, "
+                             "process_start_to_ready: from its process's start) and its latest wake_up (s).",
+                             ["replica", "phase"], registry=r)
+
+    def refresh(self, views) -> None:
+        self.replicas.set(len(views.views))
+        self.sleeping.set(sum(1 for level in views.sleeping.values() if level))
+        self.startup.clear()
+        for replica, phases in views.startup_s.items():
+            for phase, seconds in phases.items():
+                self.startup.labels(replica, phase).set(seconds)
 
 
 def _tokens_of(body: bytes) -> int | None:
@@ -170,6 +183,7 @@ class Ingress:
 
     @app.get("/metrics")
     async def prometheus(self):
+        self.metrics.refresh(self.replicas)
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # ---- requests ----------------------------------------------------------

@@ -111,6 +111,8 @@ class ModelReplica:
         self._queue_wait = HistogramWindow(look_back_s)
         self._stats_number = 0
         await self.serving.start()  # warm-up: timed into phases, logged, and the startup gauge set
+        # From the process's start (Ray's worker start and imports included) to ready.
+        phases.record("process_start_to_ready", time.time() - _process_start_time())
         log.info("replica %s ready: %s", self.replica_id, phases.summary())
 
     async def handle_http(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
@@ -126,7 +128,8 @@ class ModelReplica:
         self._stats_number += 1
         return {"scrape": dataclasses.asdict(scrape), "ready": self.serving.ready,
                 "sleeping": self.serving.sleep_level, "num_kv_blocks": self.num_kv_blocks,
-                "block_size": self.block_size, "number": self._stats_number}
+                "block_size": self.block_size, "number": self._stats_number,
+                "startup_s": dict(self.serving.startup.seconds)}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         return self.signals()._asdict() | {"sleeping": float(self.serving.sleep_level)}
@@ -146,6 +149,12 @@ class ModelReplica:
         # Ray has drained its own requests by now; finish or abort what is left, then stop.
         await self.serving.drain(self.serving.config.shutdown_grace_s)
         await self.serving.stop()
+
+
+def _process_start_time() -> float:
+    import psutil  # a dependency of Ray's
+
+    return psutil.Process().create_time()
 
 
 def _replica_id() -> str:

@@ -28,6 +28,7 @@ class ReplicaViews:
         self.clock = clock
         self._numbers: dict[str, int] = {}
         self.sleeping: dict[str, int] = {}
+        self.startup_s: dict[str, dict[str, float]] = {}  # per replica: its startup phases and latest wake
 
     def refresh(self, replica_id: str, stats: dict | None) -> BackendView:
         view = self.views.get(replica_id)
@@ -41,6 +42,7 @@ class ReplicaViews:
             self._numbers[replica_id] = number
             view.record_scrape(Scrape(**stats["scrape"]), bool(stats.get("ready")))
             self.sleeping[replica_id] = int(stats.get("sleeping") or 0)
+            self.startup_s[replica_id] = dict(stats.get("startup_s") or {})
         return view
 
     def forget_except(self, replica_ids: set[str]) -> None:
@@ -48,6 +50,7 @@ class ReplicaViews:
             del self.views[gone]
             self._numbers.pop(gone, None)
             self.sleeping.pop(gone, None)
+            self.startup_s.pop(gone, None)
 
     def rank(self, router: Router, ids: Sequence[str], route: RouteRequest,
              exclude: frozenset[str] = frozenset()) -> list[list[str]]:

@@ -172,6 +172,7 @@ class Serving:
         wake_up_s = time.perf_counter() - start
         self.sleep_level = 0
         self.metrics.sleeping.set(0)
+        self.startup.seconds["wake_up"] = wake_up_s  # the latest wake, beside the cold start's phases
         self.metrics.record_startup({"wake_up": wake_up_s})
         log.info("awake in %.3f s", wake_up_s)
         return {"is_sleeping": False, "wake_up_s": wake_up_s}

@@ -50,7 +50,9 @@ WINDOW_S = 5.0
 MODEL = ["--preset", "llama-3.1-8b", "--hardware", "l4", "--kv-cache-memory", "1GiB", "--max-num-seqs", "4"]
 WORKLOAD = ["--workload", "prompt=fixed:256;output=fixed:24"]
 TTFT_SLO_S, TPOT_SLO_S = 2.0, 0.1
-AUTOSCALE = ["--queue-wait-target", "0.5", "--look-back", "5", "--scale-down-delay", "60"]
+# The scale-down delay is short so the warm pool's extra replicas are asleep
+# before the run (one more each delay); no fleet scales down during the load.
+AUTOSCALE = ["--queue-wait-target", "0.5", "--look-back", "5", "--scale-down-delay", "8"]
 FLEETS = {
     "fixed": ["--num-replicas", "1"],
     "cold": ["--min-replicas", "1", "--max-replicas", "4", *AUTOSCALE],
@@ -209,7 +211,7 @@ def run_simulated(name: str, duration_s: float, cold_start_s: float, wake_s: flo
              "cold": ["--replicas", "1", "--autoscale-max-replicas", "4"],
              "warm": ["--replicas", "1", "--autoscale-max-replicas", "4", "--warm-pool", "3"]}[name]
     scaling = ["--autoscale-interval", "1", "--autoscale-queue-wait-target", "0.5", "--autoscale-look-back", "5",
-               "--autoscale-scale-down-delay", "60", "--cold-start", f"{cold_start_s:.3f}",
+               "--autoscale-scale-down-delay", "8", "--cold-start", f"{cold_start_s:.3f}",
                "--warm-start", f"{wake_s:.3f}"]
     out = workdir / f"sim-{name}"
     cmd = kvserve("simulate", *MODEL, "--max-queue-wait", "1.0", *WORKLOAD, *arrival(duration_s), "--seed", "1",

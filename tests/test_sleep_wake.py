@@ -79,3 +79,24 @@ def test_a_bad_level_is_a_400(level):
         r = client.post("/sleep", params={"level": level})
         assert r.status_code == 400 and r.json()["error"]["param"] == "level"
         assert client.get("/is_sleeping").json()["is_sleeping"] is False
+
+
+def test_sleep_if_idle_refuses_while_a_request_is_in_flight():
+    import threading
+
+    from tests.server_helpers import slow_steps
+
+    with live_server(slow_steps(tiny_core(), 0.05)) as server, \
+            httpx.Client(base_url=server.base_url, timeout=60) as client:
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 40}
+        long_one = threading.Thread(target=lambda: client.post("/v1/completions", json=body))
+        long_one.start()
+        try:
+            while server.serving.engine.num_streams == 0:
+                pass
+            busy = client.post("/sleep", params={"level": 1, "if_idle": "true"})
+            assert busy.status_code == 409 and busy.json()["error"]["code"] == "busy"
+            assert client.get("/is_sleeping").json()["is_sleeping"] is False
+        finally:
+            long_one.join()
+        assert client.post("/sleep", params={"level": 1, "if_idle": "true"}).status_code == 200

@@ -12,10 +12,12 @@ is dropped by Ray's router and the request is sent again, to another; a
 stream already under way ends with a clean error event. A client that
 leaves cancels the replica's call, which aborts the request there.
 
-A warm pool (`warm_pool_interval_s` set): every interval the ingress runs
-`fleet.autoscale.decide` over the replicas' views and puts the replicas it
-does not need awake to sleep (`POST /sleep?level=1` to that replica), and
-wakes sleeping ones (`POST /wake_up`) before Ray is asked for new ones.
+A warm pool (`warm_pool` set): every interval the ingress runs
+`fleet.autoscale.decide` over the signals the replicas record (the ones
+the Ray policy reads) and puts the replicas it does not need awake to
+sleep once idle (`POST /sleep?level=1&if_idle=true` to that replica), and
+wakes sleeping ones (`POST /wake_up`); the Ray policy, counting sleepers
+as held replicas, asks for new ones only beyond them.
 """
 
 # No `from __future__ import annotations`: Ray's class-based FastAPI view
@@ -36,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from kvserve.fleet.autoscale import AutoscaleConfig, ScaleState, decide, signals_of
+from kvserve.fleet.autoscale import AutoscaleConfig, ScaleState, decide
 from kvserve.fleet.router import RouteRequest, affinity_key
 from kvserve.gateway.admission import FleetQuotas, Refusal, wait_refusal
 from kvserve.gateway.inbound import BYTES_PER_TOKEN, read_inbound
@@ -158,6 +160,7 @@ class Ingress:
         self._id_prefix = secrets.token_hex(4)
         self._ids = itertools.count()
         self._warm_pool_task: asyncio.Task | None = None  # started by the first request, on the serving loop
+        self._controls: dict[str, asyncio.Task] = {}  # the warm pool's call in flight to each replica
 
     # ---- routes ------------------------------------------------------------
     @app.post("/v1/completions")
@@ -240,7 +243,11 @@ class Ingress:
         if media_type.startswith("text/event-stream"):
             return StreamingResponse(self._events(stream, request_id), status_code=start.status,
                                      headers=headers, media_type=media_type)
-        body = b"".join([chunk async for chunk in stream])
+        try:
+            body = b"".join([chunk async for chunk in stream])
+        except _REPLICA_GONE:  # after its answer started: it cannot be sent again
+            raise IngressError(502, "the replica serving this request failed", "unavailable",
+                               "replica_failed") from None
         if request_id is not None:
             self.quotas.on_finish(request_id, _tokens_of(body))
         return Response(body, status_code=start.status, headers=headers, media_type=media_type)
@@ -292,20 +299,27 @@ class Ingress:
                 log.exception("warm pool step failed")
 
     async def _apply_warm_pool(self, config: AutoscaleConfig, state: ScaleState) -> ScaleState:
+        """One step: decide over the replicas' own recorded signals (those the
+        Ray policy reads), then wake or put to sleep; each call runs on its
+        own (a sleep waits for the replica to be idle), one per replica."""
         # Sorted by name: the same replicas stay awake from one step to the next.
-        names = sorted(n for n, v in self.views.items() if v.scrape is not None)
-        sleeping = self.replicas.sleeping
-        signals = [signals_of(self.views[n], sleeping=sleeping.get(n, 0) > 0) for n in names]
+        names = sorted(n for n in self.views if n in self.replicas.signals)
+        signals = [self.replicas.signals[n] for n in names]
         decision = decide(config, signals, state, time.monotonic())
-        awake = [n for n in names if not sleeping.get(n)]
-        asleep = [n for n in names if sleeping.get(n)]
+        awake = [n for n, s in zip(names, signals) if not s.sleeping]
+        asleep = [n for n, s in zip(names, signals) if s.sleeping]
         self.metrics.awake_target.set(decision.num_awake)
-        self.metrics.sleeping.set(len(asleep))
-        calls = [self._control(n, "POST", "/wake_up") for n in asleep[:max(0, decision.num_awake - len(awake))]]
-        calls += [self._control(n, "POST", "/sleep", b"level=1")
-                  for n in awake[decision.num_awake:] if self.views[n].num_running + self.views[n].num_waiting == 0]
-        await asyncio.gather(*calls)
+        for name in asleep[:max(0, decision.num_awake - len(awake))]:
+            self._start_control(name, "/wake_up")
+        for name in awake[decision.num_awake:]:
+            self._start_control(name, "/sleep", b"level=1&if_idle=true")
         return decision.state
+
+    def _start_control(self, replica: str, path: str, query: bytes = b"") -> None:
+        pending = self._controls.get(replica)
+        if pending is not None and not pending.done():
+            return
+        self._controls[replica] = asyncio.get_running_loop().create_task(self._control(replica, "POST", path, query))
 
     async def _control(self, replica: str, method: str, path: str, query: bytes = b"") -> None:
         """A control request to one named replica (the router sends a

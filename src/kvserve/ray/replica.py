@@ -129,10 +129,10 @@ class ModelReplica:
         return {"scrape": dataclasses.asdict(scrape), "ready": self.serving.ready,
                 "sleeping": self.serving.sleep_level, "num_kv_blocks": self.num_kv_blocks,
                 "block_size": self.block_size, "number": self._stats_number,
-                "startup_s": dict(self.serving.startup.seconds)}
+                "startup_s": dict(self.serving.startup.seconds), "signals": self.signals()._asdict()}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        return self.signals()._asdict() | {"sleeping": float(self.serving.sleep_level)}
+        return {name: float(value) for name, value in self.signals()._asdict().items()}
 
     def signals(self) -> ReplicaSignals:
         now = time.monotonic()

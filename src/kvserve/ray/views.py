@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from kvserve.fleet.autoscale import ReplicaSignals
 from kvserve.fleet.router import RouteRequest, Router
 from kvserve.gateway.backends import BackendView, Scrape
 from kvserve.gateway.config import BackendConfig, BreakerConfig
@@ -29,6 +30,7 @@ class ReplicaViews:
         self._numbers: dict[str, int] = {}
         self.sleeping: dict[str, int] = {}
         self.startup_s: dict[str, dict[str, float]] = {}  # per replica: its startup phases and latest wake
+        self.signals: dict[str, ReplicaSignals] = {}  # per replica: what it records for the autoscaler
 
     def refresh(self, replica_id: str, stats: dict | None) -> BackendView:
         view = self.views.get(replica_id)
@@ -43,6 +45,8 @@ class ReplicaViews:
             view.record_scrape(Scrape(**stats["scrape"]), bool(stats.get("ready")))
             self.sleeping[replica_id] = int(stats.get("sleeping") or 0)
             self.startup_s[replica_id] = dict(stats.get("startup_s") or {})
+            if "signals" in stats:
+                self.signals[replica_id] = ReplicaSignals(**stats["signals"])
         return view
 
     def forget_except(self, replica_ids: set[str]) -> None:
@@ -51,6 +55,7 @@ class ReplicaViews:
             self._numbers.pop(gone, None)
             self.sleeping.pop(gone, None)
             self.startup_s.pop(gone, None)
+            self.signals.pop(gone, None)
 
     def rank(self, router: Router, ids: Sequence[str], route: RouteRequest,
              exclude: frozenset[str] = frozenset()) -> list[list[str]]:

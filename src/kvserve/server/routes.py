@@ -91,12 +91,14 @@ async def ready(request: Request):
 
 
 @router.post("/sleep")
-async def sleep(request: Request, level: int = 1, authorization: str | None = Header(default=None)):
+async def sleep(request: Request, level: int = 1, if_idle: bool = False,
+                authorization: str | None = Header(default=None)):
     """vLLM's sleep mode: level 1 frees the KV cache (weights kept), level 2
-    drops the weights too; not ready (503) until /wake_up."""
+    drops the weights too; not ready (503) until /wake_up. `if_idle=true`
+    (kvserve's): 409 instead when requests are in flight."""
     serving = _serving(request)
     serving.authenticate(authorization)
-    return await serving.sleep(level)
+    return await serving.sleep(level, if_idle)
 
 
 @router.post("/wake_up")

@@ -141,12 +141,16 @@ class Serving:
 
     # ---- sleep and wake (vLLM's endpoints) --------------------------------
 
-    async def sleep(self, level: int) -> dict:
+    async def sleep(self, level: int, if_idle: bool = False) -> dict:
         """Stop admitting (503 "sleeping"), let in-flight requests finish for
         up to the shutdown grace and abort the rest, then free the KV cache
-        (level 1) and the weights too (level 2) on the engine thread."""
+        (level 1) and the weights too (level 2) on the engine thread.
+        `if_idle`: only when no request is in flight (409 "busy" otherwise:
+        an autoscaler's idea of idle can be a moment old)."""
         if level not in (1, 2):
             raise APIError(400, f"level must be 1 or 2, got {level}", param="level")
+        if if_idle and self.engine.num_streams and not self.sleep_level:
+            raise APIError(409, f"{self.engine.num_streams} requests are in flight", "conflict", "busy")
         if level == 2 and self.reload_weights is None:
             raise APIError(400, "level 2 drops the weights, and this server cannot read them again",
                            param="level")

@@ -100,3 +100,23 @@ def test_app_args_from_a_dict_as_serve_run_gives_them():
         ("/m", 2, True, "1GiB", False)
     with pytest.raises(ValueError):
         parse_app_args({"router": "nearest"})
+
+
+def test_kvserve_ray_help_and_bad_bounds_without_starting_ray(capsys, monkeypatch):
+    import ray
+
+    from kvserve.cli import main
+
+    def no_cluster(*args, **kwargs):
+        raise AssertionError("bad bounds must be refused before Ray starts")
+
+    monkeypatch.setattr(ray, "init", no_cluster)
+
+    with pytest.raises(SystemExit):
+        main(["ray", "--help"])
+    help_text = capsys.readouterr().out
+    for flag in ("--address", "--num-replicas", "--min-replicas", "--max-replicas", "--sleep-idle",
+                 "--queue-wait-target", "--kv-target", "--kv-cache-memory", "--max-queue-wait"):
+        assert flag in help_text
+    assert main(["ray", "--min-replicas", "4", "--max-replicas", "2"]) == 2
+    assert "max_replicas" in capsys.readouterr().err

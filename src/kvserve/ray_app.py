@@ -52,7 +52,9 @@ def parse_app_args(args: dict) -> argparse.Namespace:
 
 
 def autoscale_config(args: argparse.Namespace) -> AutoscaleConfig:
-    return AutoscaleConfig(min_replicas=args.min_replicas, max_replicas=max(args.max_replicas, args.min_replicas),
+    """Raises ValueError on bounds that cannot hold (max below min)."""
+    max_replicas = args.min_replicas if args.max_replicas is None else args.max_replicas
+    return AutoscaleConfig(min_replicas=args.min_replicas, max_replicas=max_replicas,
                            queue_wait_target_s=args.queue_wait_target, kv_target=args.kv_target,
                            look_back_s=args.look_back, scale_down_delay_s=args.scale_down_delay)
 

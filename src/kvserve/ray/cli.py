@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="a fixed number of replicas (replicas); without it, --min/--max-replicas autoscale")
     ray.add_argument("--min-replicas", type=int, default=1,
                      help="the warm pool: replicas always held, awake or (with --sleep-idle) asleep (replicas)")
-    ray.add_argument("--max-replicas", type=int, default=1, help="most replicas the autoscaler holds (replicas)")
+    ray.add_argument("--max-replicas", type=int, default=None,
+                     help="most replicas the autoscaler holds (replicas; default: --min-replicas)")
     ray.add_argument("--sleep-idle", action="store_true",
                      help="replicas of the warm pool not needed awake sleep (KV cache freed, weights kept) "
                           "and are woken before new ones are started")

@@ -4,7 +4,7 @@
 replicas Ray holds. The delay and the warm pool are the rule's own, and
 its state rides in Ray's `policy_state`. Ray 2.60 passes a custom
 policy's answer through its own scaling factors and up/down delays too
-(ray.serve.autoscaling_policy._apply_default_params): kvserve.ray_app sets
+(ray.serve.autoscaling_policy._apply_default_params): kvserve.ray.app sets
 those delays to 0 and the factors to 1, so only the min/max bounds remain.
 
 Configured through `AutoscalingPolicy(policy_function=KVServeAutoscalingPolicy,

@@ -14,45 +14,9 @@ import signal
 import sys
 import threading
 
-from kvserve.fleet.autoscale import KV_TARGET, QUEUE_WAIT_TARGET_S
-from kvserve.fleet.router import ROUTERS
+from kvserve.ray.flags import add_arguments  # noqa: F401 (the command's flags, for kvserve.cli)
 
 log = logging.getLogger("kvserve.ray")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvserve.server import cli as serve_cli
-
-    serve_cli.add_arguments(parser)  # --host / --port are the Ray HTTP proxy's
-    ray = parser.add_argument_group("Ray Serve")
-    ray.add_argument("--address", default=None,
-                     help="Ray cluster to join (e.g. auto, ray://head:10001); default: start a local one")
-    ray.add_argument("--num-cpus", type=float, default=None,
-                     help="CPUs of a local cluster started here (default: all of this machine's)")
-    ray.add_argument("--num-replicas", type=int, default=None,
-                     help="a fixed number of replicas (replicas); without it, --min/--max-replicas autoscale")
-    ray.add_argument("--min-replicas", type=int, default=1,
-                     help="the warm pool: replicas always held, awake or (with --sleep-idle) asleep (replicas)")
-    ray.add_argument("--max-replicas", type=int, default=None,
-                     help="most replicas the autoscaler holds (replicas; default: --min-replicas)")
-    ray.add_argument("--sleep-idle", action="store_true",
-                     help="replicas of the warm pool not needed awake sleep (KV cache freed, weights kept) "
-                          "and are woken before new ones are started")
-    ray.add_argument("--router", default="kv-aware", choices=ROUTERS, help="kvserve's routing policy")
-    ray.add_argument("--queue-wait-target", type=float, default=QUEUE_WAIT_TARGET_S,
-                     help="autoscaling: the p95 queue wait to hold (seconds)")
-    ray.add_argument("--kv-target", type=float, default=KV_TARGET,
-                     help="autoscaling: the mean KV usage to stay under (fraction)")
-    ray.add_argument("--look-back", type=float, default=10.0,
-                     help="autoscaling: the window of the queue-wait p95 (seconds)")
-    ray.add_argument("--scale-down-delay", type=float, default=60.0,
-                     help="autoscaling: how long the fleet must look over-provisioned before a replica "
-                          "drains and leaves (seconds)")
-    ray.add_argument("--stats-period", type=float, default=1.0,
-                     help="how often replicas record routing and autoscaling stats (seconds)")
-    ray.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs each replica reserves (CPUs)")
-    ray.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs each replica reserves (GPUs)")
-    ray.add_argument("--app-name", default="kvserve", help="the Ray Serve application's name")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("kvserve ray: error: Ray Serve is not installed (pip install 'kvserve[ray]')", file=sys.stderr)
         return 2
-    from kvserve.ray_app import application
+    from kvserve.ray.app import application
 
     try:
         app = application(args)

@@ -40,7 +40,9 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from kvserve.fleet.autoscale import AutoscaleConfig, ScaleState, decide
 from kvserve.fleet.router import RouteRequest, affinity_key
-from kvserve.gateway.admission import FleetQuotas, Refusal, wait_refusal
+from kvserve.admission.decision import AdmissionDecision
+from kvserve.config import AdmissionConfig
+from kvserve.gateway.admission import FleetQuotas, wait_refusal
 from kvserve.gateway.inbound import BYTES_PER_TOKEN, read_inbound
 from kvserve.gateway.proxy import usage_tokens
 from kvserve.metrics import CONTENT_TYPE_LATEST
@@ -59,9 +61,9 @@ _REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
 @dataclass(frozen=True)
 class IngressConfig:
     """deployment_name: the model deployment's. api_keys_path / retry
-    budget: the fleet's tenants and retries. max_queue_wait_s and
-    deferred_max_queue_wait_s: the classes' queue-wait limits (as serve's).
-    default_max_tokens: the projection of a request without max_tokens.
+    budget: the fleet's tenants and retries. admission: the replicas'
+    AdmissionConfig (its classes' queue-wait limits, its default max_tokens:
+    the projection of a request without one).
     router_policy / affinity_prefix_tokens: as the router's (for the key).
     warm_pool: the autoscaling config whose awake count the ingress
     applies every warm_pool_interval_s (None: no sleeping)."""
@@ -70,9 +72,7 @@ class IngressConfig:
     api_keys_path: str | None = None
     retry_budget: float = 0.1
     retry_budget_burst: float = 5.0
-    max_queue_wait_s: float = 1.0
-    deferred_max_queue_wait_s: float = 8.0
-    default_max_tokens: int = 256
+    admission: AdmissionConfig = AdmissionConfig()
     router_policy: str = "kv-aware"
     affinity_prefix_tokens: int = 64
     warm_pool: dict | None = None
@@ -86,9 +86,11 @@ class IngressError(Exception):
         self.status, self.message, self.type, self.code, self.headers = status, message, type_, code, headers or {}
 
     @classmethod
-    def of(cls, refusal: Refusal) -> "IngressError":
+    def of(cls, refusal: AdmissionDecision) -> "IngressError":
+        """The server's answer to the same refusal (status, type, code, Retry-After)."""
         headers = {"Retry-After": str(refusal.retry_after_s)} if refusal.retry_after_s is not None else {}
-        return cls(refusal.status, refusal.message, refusal.type, refusal.reason, headers)
+        return cls(refusal.status, refusal.message, protocol.refusal_type(refusal.status, refusal.reason),
+                   refusal.reason, headers)
 
     def response(self) -> JSONResponse:
         return JSONResponse(protocol.error_body(self.message, self.type, self.code), status_code=self.status,
@@ -205,7 +207,7 @@ class Ingress:
                                "authentication_error", "invalid_api_key")
         raw = await request.body()
         inbound = read_inbound(kind, request.url.path, raw, tenant.priority, request.headers)
-        max_tokens = inbound.requested_max_tokens or self.config.default_max_tokens
+        max_tokens = inbound.requested_max_tokens or self.config.admission.default_max_tokens
         request_id = f"ray-{self._id_prefix}{next(self._ids):08x}"
         refusal = self.quotas.admit(request_id, tenant, inbound.num_prompt_tokens, max_tokens, inbound.is_retry)
         if refusal is None:
@@ -213,7 +215,7 @@ class Ingress:
             if refusal is not None:
                 self.quotas.on_finish(request_id)
         if refusal is not None:
-            self.metrics.refusals.labels(refusal.reason).inc()
+            self.metrics.refusals.labels(str(refusal.reason)).inc()
             raise IngressError.of(refusal)
         key = None
         if self.config.router_policy == "prefix-affinity" and inbound.prompt_bytes:
@@ -225,8 +227,8 @@ class Ingress:
             self.quotas.on_finish(request_id)
             raise
 
-    def _wait_refusal(self, num_tokens: int, priority: int) -> Refusal | None:
-        limit_s = self.config.deferred_max_queue_wait_s if priority > 0 else self.config.max_queue_wait_s
+    def _wait_refusal(self, num_tokens: int, priority: int) -> AdmissionDecision | None:
+        limit_s = self.config.admission.max_wait_s(priority)
         asleep = self.replicas.sleeping
         eligible = [v for name, v in self.views.items() if v.ready and not asleep.get(name)]
         return wait_refusal(eligible, num_tokens, limit_s)
@@ -235,8 +237,6 @@ class Ingress:
         forwarded = ForwardedRequest(request.method, request.url.path, raw, tuple(request.scope["headers"]),
                                      request.scope.get("query_string", b""), route)
         stream, start = await self._send(forwarded)
-        if request_id is not None:
-            self.quotas.on_start(request_id)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers
                    if k.lower() not in (b"content-length", b"transfer-encoding")}
         media_type = headers.pop("content-type", "application/json")

@@ -91,21 +91,17 @@ async def ready(request: Request):
 
 
 @router.post("/sleep")
-async def sleep(request: Request, level: int = 1, if_idle: bool = False,
-                authorization: str | None = Header(default=None)):
+async def sleep(request: Request, level: int = 1, if_idle: bool = False):
     """vLLM's sleep mode: level 1 frees the KV cache (weights kept), level 2
     drops the weights too; not ready (503) until /wake_up. `if_idle=true`
-    (kvserve's): 409 instead when requests are in flight."""
-    serving = _serving(request)
-    serving.authenticate(authorization)
-    return await serving.sleep(level, if_idle)
+    (kvserve's): 409 instead when requests are in flight. With API keys,
+    RequireKey has checked the caller's key."""
+    return await _serving(request).sleep(level, if_idle)
 
 
 @router.post("/wake_up")
-async def wake_up(request: Request, authorization: str | None = Header(default=None)):
-    serving = _serving(request)
-    serving.authenticate(authorization)
-    return await serving.wake_up()
+async def wake_up(request: Request):
+    return await _serving(request).wake_up()
 
 
 @router.get("/is_sleeping")

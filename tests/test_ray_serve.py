@@ -86,6 +86,10 @@ async def _burst(url: str, n: int, body: dict, gap_s: float = 0.0) -> list[httpx
         return await asyncio.gather(*(one(i) for i in range(n)))
 
 
+def _failures(responses: list[httpx.Response]) -> list[str]:
+    return [f"{r.status_code}: {r.text[:300]}" for r in responses if r.status_code != 200]
+
+
 def _ingress_counter(url: str, outcome: str) -> float:
     text = httpx.get(f"{url}/metrics").text
     key = f'kvserve_ray_forwards_total{{outcome="{outcome}"}}'
@@ -118,7 +122,7 @@ def test_openai_client_and_router_spread_over_two_tiny_replicas(cluster, tiny_fo
             client.completions.create(model="other", prompt="hello", max_tokens=4)
 
         responses = asyncio.run(_burst(cluster, 16, {"model": "tiny", "prompt": "spread me", "max_tokens": 48}))
-        assert [r.status_code for r in responses] == [200] * 16
+        assert [r.status_code for r in responses] == [200] * 16, _failures(responses)
         per_replica = collections.Counter(r.headers["x-kvserve-replica"] for r in responses)
         assert len(per_replica) == 2 and min(per_replica.values()) >= 4, per_replica
     finally:
@@ -147,7 +151,7 @@ def test_burst_scales_one_to_two_and_back_after_the_delay_losing_nothing(cluster
                 watcher.cancel()
 
         responses = asyncio.run(burst_while_watching())
-        assert [r.status_code for r in responses] == [200] * 32
+        assert [r.status_code for r in responses] == [200] * 32, _failures(responses)
         assert len({r.headers["x-request-id"] for r in responses}) == 32
         assert _ingress_counter(cluster, "answered") == 32 + 4  # each sent once: none lost, none twice
         assert _ingress_counter(cluster, "replica_gone") == 0
@@ -173,7 +177,7 @@ def test_killed_replicas_waiting_requests_are_answered_by_another(cluster):
             return await burst
 
         responses = asyncio.run(run())
-        assert [r.status_code for r in responses] == [200] * 12
+        assert [r.status_code for r in responses] == [200] * 12, _failures(responses)
         assert _ingress_counter(cluster, "replica_gone") >= 1  # its requests were sent again
         assert len({r.headers["x-request-id"] for r in responses}) == 12
     finally:
@@ -201,7 +205,7 @@ def test_warm_pool_sleeps_an_idle_replica_and_wakes_it_for_a_burst(cluster):
         assert _replica_counts() == {"RUNNING": 2}  # asleep, not gone
 
         responses = asyncio.run(_burst(cluster, 16, body, gap_s=0.2))
-        assert [r.status_code for r in responses] == [200] * 16
+        assert [r.status_code for r in responses] == [200] * 16, _failures(responses)
         assert len({r.headers["x-kvserve-replica"] for r in responses}) == 2  # the sleeper woke and served
         assert _ingress_gauge(cluster, "kvserve_ray_replicas_awake_target") is not None
     finally:

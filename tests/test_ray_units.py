@@ -120,3 +120,17 @@ def test_kvserve_ray_help_and_bad_bounds_without_starting_ray(capsys, monkeypatc
         assert flag in help_text
     assert main(["ray", "--min-replicas", "4", "--max-replicas", "2"]) == 2
     assert "max_replicas" in capsys.readouterr().err
+
+
+def test_the_ingress_fleet_admission_and_every_replica_get_the_configured_queue_wait_limits():
+    from kvserve.ray.ingress import IngressConfig
+    from kvserve.ray_app import build_app
+
+    app = build_app({"model": "/m", "num_replicas": 1, "max_queue_wait": "7", "deferred_max_queue_wait": "20",
+                     "queue_timeout": "40"})
+    # Ray's bound deployment (no public reader without a cluster): Ingress(model, config).
+    model, ingress_config = app._bound_deployment.init_args
+    admission = IngressConfig(**ingress_config).admission
+    assert (admission.max_wait_s(0), admission.max_wait_s(1), admission.queue_timeout_s) == (7.0, 20.0, 40.0)
+    serve_args = model._bound_deployment.init_args[0]
+    assert (serve_args["max_queue_wait"], serve_args["deferred_max_queue_wait"]) == (7.0, 20.0)

@@ -13,7 +13,7 @@ import torch
 
 from kvserve.config import SpeculativeConfig
 from kvserve.contract import SamplingParams
-from tests.tiny_models import TINY_DIMS, random_prompts, run_to_completion, tiny_engine, tiny_llama, word_tokenizer
+from tests.tiny_models import TINY_DIMS, random_prompts, run_to_completion, tiny_engine, tiny_llama, weights_of, word_tokenizer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
          "disable_by_batch_size": None, "min_acceptance_rate": 0.0}
@@ -326,3 +326,24 @@ def test_a_requests_draft_stream_is_independent_of_its_target_stream():
     draft = torch.rand(8, generator=sampler.generator_at(request, 5, DRAFT_STREAM))
     assert torch.equal(target, torch.rand(8, generator=sampler.generator_at(request, 5)))
     assert not torch.allclose(target, draft)
+
+
+# -- sleep and wake with a draft model ---------------------------------------------
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_the_draft_models_kv_cache_too_and_wakes_to_the_same_output(hf, folders, level):
+    prompt = random_prompts([12], seed=9)[0]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    engine = accepting_engine(hf, folders)
+    before = list(run_to_completion(engine, [prompt], params).values())[0].token_ids
+    draft = engine.speculator.draft_model.draft
+    draft_kv_bytes = draft.kv_cache.numel() * draft.kv_cache.element_size()
+    target_kv_bytes = engine.runner.kv_cache.numel() * engine.runner.kv_cache.element_size()
+    assert engine.sleep(level) >= target_kv_bytes + draft_kv_bytes
+    assert draft.kv_cache.numel() == 0  # the draft's cache went with the target's
+    engine.wake_up(weights_of(hf) if level == 2 else None)
+    accepted = engine.speculator.totals.num_accepted_tokens
+    after = list(run_to_completion(engine, [prompt], params).values())[0].token_ids
+    assert after == before
+    assert engine.speculator.totals.num_accepted_tokens > accepted  # the draft drafts again after the wake
+    assert engine.speculator.draft_model.sampler is engine.runner.sampler  # one seed rule, the new runner's

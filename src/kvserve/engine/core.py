@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -34,6 +34,9 @@ from kvserve.model_facts.tokenizer import Tokenizer
 from kvserve.runner.model_runner import ModelRunner
 from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from kvserve.structured import CompiledGrammar, GrammarCompiler
+
+if TYPE_CHECKING:
+    from kvserve.runner.draft_model import DraftModelProposer
 
 # How long an idle step waits for a grammar compile before returning empty.
 COMPILE_WAIT_S = 0.05
@@ -192,6 +195,8 @@ class EngineCore:
             self.runner = None  # its weights go with it; wake_up builds a new one
         elif release is not None:
             freed += self.runner.offload_weights()
+        if self._draft is not None:
+            freed += self._draft.sleep()
         self.sleep_level = level
         return freed
 
@@ -208,7 +213,14 @@ class EngineCore:
         elif hasattr(self.runner, "allocate_kv_cache"):
             self.runner.restore_weights()
             self.runner.allocate_kv_cache()
+        if self._draft is not None:
+            self._draft.wake_up(self.runner)
         self.sleep_level = 0
+
+    @property
+    def _draft(self) -> DraftModelProposer | None:
+        """Speculation's draft model, whose own KV cache sleeps with the target's."""
+        return None if self.speculator is None else self.speculator.draft_model
 
     # -- requests in and out -------------------------------------------------
     def new_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,

@@ -60,6 +60,19 @@ class DraftModelProposer:
                             max_model_len=target.max_model_len, enforce_eager=True)
         return cls(draft, target, scheduler)
 
+    def sleep(self) -> int:
+        """The engine sleeps: free the draft's KV cache (on CUDA its weights
+        go to pinned host memory; they stay at level 2 too, since a wake
+        reads only the target's again). Bytes freed from the device."""
+        return self.draft.release_kv_cache() + self.draft.offload_weights()
+
+    def wake_up(self, target: ModelRunner) -> None:
+        """Undo sleep, beside `target` (a new runner after a level-2 wake,
+        whose generators the draft must share)."""
+        self.draft.restore_weights()
+        self.draft.allocate_kv_cache()
+        self.sampler = target.sampler
+
     @torch.inference_mode()
     def propose(self, chosen: Sequence[tuple[Request, int]]) -> dict[str, Tensor]:
         """Set `spec_token_ids` of each (request, k) to k drafts (none where the

@@ -2,12 +2,14 @@
 ranks (fleet.router's decision first, sleeping replicas last, failed ones
 left out), a forwarded request answered by the server's app in process
 (and a reader that leaves aborting it), the replica's queue-wait p95 from
-its histogram, and the application's args."""
+its histogram, the application's args (the queue-wait limits reach the
+ingress and every replica), and the ingress's fleet refusal against them."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 
 import pytest
@@ -134,3 +136,94 @@ def test_the_ingress_fleet_admission_and_every_replica_get_the_configured_queue_
     assert (admission.max_wait_s(0), admission.max_wait_s(1), admission.queue_timeout_s) == (7.0, 20.0, 40.0)
     serve_args = model._bound_deployment.init_args[0]
     assert (serve_args["max_queue_wait"], serve_args["deferred_max_queue_wait"]) == (7.0, 20.0)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _ReplicaHandle:
+    """The model deployment's handle as the ingress calls it: each send answers 200."""
+
+    def __init__(self) -> None:
+        self.sent: list[ForwardedRequest] = []
+
+    def options(self, **_):
+        return self
+
+    @property
+    def handle_http(self):
+        return self
+
+    def remote(self, forwarded: ForwardedRequest):
+        self.sent.append(forwarded)
+        return _Answer([ResponseStart(200, ((b"content-type", b"application/json"),)),
+                        b'{"usage": {"total_tokens": 3}}'])
+
+
+class _Answer:
+    """A replica's streamed answer (Ray's response generator: async iterator + cancel)."""
+
+    def __init__(self, items: list) -> None:
+        self._items = iter(items)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        try:
+            return next(self._items)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def cancel(self) -> None:
+        pass
+
+
+def _post(ingress, body: dict):
+    from starlette.requests import Request
+
+    raw = json.dumps(body).encode()
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")]}
+
+    async def receive():
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    return asyncio.run(ingress.completions(Request(scope, receive)))
+
+
+@pytest.mark.parametrize("max_queue_wait_s, refused", [(30.0, False), (5.0, True)])
+def test_the_ingress_refuses_before_any_replica_past_the_configured_queue_wait(max_queue_wait_s, refused):
+    from kvserve.config import AdmissionConfig
+    from kvserve.ray.ingress import Ingress
+
+    # One replica, its batch full, 30 waiting, 2 requests finished a second: ~15 s to a slot.
+    clock = _Clock()
+    views = ReplicaViews(clock)
+    running = Scrape(num_running=8, num_waiting=0, kv_usage=0.2, finished_total=0.0, running_cap=8)
+    views.refresh("r", {"scrape": dataclasses.asdict(running), "ready": True, "num_kv_blocks": 1000,
+                        "block_size": 16, "number": 1})
+    clock.now = 10.0
+    queued = dataclasses.replace(running, num_waiting=30, finished_total=20.0)
+    views.refresh("r", {"scrape": dataclasses.asdict(queued), "ready": True, "number": 2})
+
+    handle = _ReplicaHandle()
+    ingress_class = Ingress.func_or_class.__mro__[1]  # the class under Ray Serve's ASGI wrapper
+    ingress = ingress_class.__new__(ingress_class)
+    config = {"deployment_name": "units", "admission": AdmissionConfig(max_queue_wait_s=max_queue_wait_s,
+                                                                       queue_timeout_s=60.0)}
+    ingress_class.__init__(ingress, handle, config)
+    ingress.replicas, ingress.views = views, views.views
+
+    response = _post(ingress, {"model": "m", "prompt": "hello", "max_tokens": 16})
+    if refused:
+        error = json.loads(response.body)["error"]
+        assert (response.status_code, error["code"]) == (429, "batch_slots") and not handle.sent
+        assert "within 5.00 s" in error["message"] and int(response.headers["retry-after"]) >= 1
+    else:
+        assert response.status_code == 200 and len(handle.sent) == 1

@@ -4,7 +4,8 @@ deployment, applying the gateway's fleet admission once for every replica:
     authenticate -> tenant quotas + retry budget (gateway.admission.FleetQuotas)
     -> 429 + Retry-After before any replica when none can start it within its
     class's queue-wait limit (gateway.admission.wait_refusal over the router's
-    views) -> the model deployment's handle, routed by kvserve's router
+    views: what binds, and a return slot staggered over the fleet's drain)
+    -> the model deployment's handle, routed by kvserve's router
     (ray.router) -> the replica's own admission and answer, relayed.
 
 A replica that dies before its answer starts (Ray reports the actor dead)
@@ -41,6 +42,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from kvserve.fleet.autoscale import AutoscaleConfig, ScaleState, decide
 from kvserve.fleet.router import RouteRequest, affinity_key
 from kvserve.admission.decision import AdmissionDecision
+from kvserve.admission.retry_after import ReturnSlots
 from kvserve.config import AdmissionConfig
 from kvserve.gateway.admission import FleetQuotas, wait_refusal
 from kvserve.gateway.inbound import BYTES_PER_TOKEN, read_inbound
@@ -159,6 +161,8 @@ class Ingress:
         self.replicas = replica_views(self.config.deployment_name)
         self.views = self.replicas.views
         self.metrics = IngressMetrics()
+        # The return slots its refused requests are told, staggered over the fleet's drain (as a gateway pool's).
+        self.return_slots = ReturnSlots(time.monotonic)
         self._id_prefix = secrets.token_hex(4)
         self._ids = itertools.count()
         self._warm_pool_task: asyncio.Task | None = None  # started by the first request, on the serving loop
@@ -231,7 +235,7 @@ class Ingress:
         limit_s = self.config.admission.max_wait_s(priority)
         asleep = self.replicas.sleeping
         eligible = [v for name, v in self.views.items() if v.ready and not asleep.get(name)]
-        return wait_refusal(eligible, num_tokens, limit_s)
+        return wait_refusal(eligible, num_tokens, limit_s, self.return_slots)
 
     async def _relay(self, request: Request, raw: bytes, route: RouteRequest, request_id: str | None) -> Response:
         forwarded = ForwardedRequest(request.method, request.url.path, raw, tuple(request.scope["headers"]),

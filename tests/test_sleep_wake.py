@@ -7,6 +7,9 @@ output before. Level 2 drops the weights too and reads them again."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import httpx
 import pytest
 
@@ -43,8 +46,11 @@ def test_sleep_frees_the_kv_cache_refuses_and_wakes_to_the_same_output():
         assert _complete(client)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the cache works
 
         rss_awake = _rss_bytes()
+        kv_tensor = weakref.ref(core.runner.kv_cache)
         asleep = client.post("/sleep", params={"level": 1})
         assert asleep.status_code == 200 and asleep.json()["freed_bytes"] >= KV_MIB * 2**20
+        gc.collect()
+        assert kv_tensor() is None  # nothing holds the old cache tensor
         assert rss_awake - _rss_bytes() >= 0.8 * KV_MIB * 2**20  # the memory went back to the system
         assert client.get("/is_sleeping").json() == {"is_sleeping": True, "level": 1}
         refused = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})

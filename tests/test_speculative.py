@@ -13,7 +13,8 @@ import torch
 
 from kvserve.config import SpeculativeConfig
 from kvserve.contract import SamplingParams
-from tests.tiny_models import TINY_DIMS, random_prompts, run_to_completion, tiny_engine, tiny_llama, weights_of, word_tokenizer
+from tests.tiny_models import (TINY_DIMS, random_prompts, run_to_completion, tiny_engine, tiny_llama, weights_of,
+                                word_tokenizer)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
          "disable_by_batch_size": None, "min_acceptance_rate": 0.0}

@@ -139,10 +139,16 @@ class AdmissionController:
         # queue and refuse beyond it.
         kv_wait = _wait_for(excess_blocks, self._block_drain_rate(now), self.num_blocks)
         seq_wait = _wait_for(excess_seqs, self._request_drain_rate(now), running_cap)
-        if excess_seqs > 0 and math.isfinite(seq_wait):
-            # A burst starts together and frees its slots together: the
-            # fluid drain rate would promise the first free slot far too soon.
-            seq_wait = max(seq_wait, self._slot_free_wait_s(seqs_ahead - self.num_started, running_cap, now))
+        if excess_seqs > 0 and self.step_model.mean_step_s is not None:
+            # Once steps are measured, the slots' own schedule: each started
+            # request frees its slot after its max_tokens steps, and those
+            # queued ahead take the next ones. The fluid drain rate misleads
+            # both ways in a burst: it promises the first slot far too soon
+            # when the burst started together, and, measured from finishes,
+            # it decays with every busy second no request has finished yet
+            # (a burst of answers longer than the last ones was told 37 s
+            # for a 3 s wait). Observed waits correct it (_calibrated).
+            seq_wait = self._slot_free_wait_s(seqs_ahead - self.num_started, running_cap, now)
         wait_s, binding = (kv_wait, Reason.KV_CACHE) if kv_wait >= seq_wait else (seq_wait, Reason.BATCH_SLOTS)
         return self._calibrated(wait_s), binding
 

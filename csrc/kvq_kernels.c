@@ -661,9 +661,111 @@ static void attend_one(const float* qs, int64_t group, int64_t D, const char* ca
         for (int64_t i = 0; i < D; i++) acc[g * D + i] /= den[g];
 }
 
+#ifdef KVQ_X86
+KVQ_AVX2 float hsum8_avx2(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2, degree-5
+ * polynomial; ~1e-7 relative error, the portable path's expf within float
+ * rounding); below -87 it returns ~1e-38 where expf underflows to 0. */
+KVQ_AVX2 __m256 exp_nonpos_avx2(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* 8 floats of a cache row (float32 or bfloat16) at element i. */
+KVQ_AVX2 __m256 cache8_avx2(const char* row, int dtype, int64_t i) { return load8_avx2(row, dtype, i); }
+
+/* attend_one for D % 32 == 0 with AVX2: the same online softmax, keys and
+ * values read in place (no tile copy), four keys' dot products and four
+ * output vectors in flight at a time, so the FMAs are not one dependency chain. */
+__attribute__((target("avx2,fma,f16c")))
+static void attend_one_avx2(const float* qs, int64_t group, int64_t D, const char* cache, int dtype, int64_t Hkv,
+                            int64_t kvh, const int64_t* blocks, int64_t block_size, int64_t L, float* acc) {
+    const size_t esz = dtype == KVQ_BF16 ? 2 : 4, slot_bytes = (size_t)2 * Hkv * D * esz;
+    float mx[KVQ_MAX_GROUP], den[KVQ_MAX_GROUP], sc[KVQ_MAX_GROUP][KVQ_TILE];
+    for (int64_t g = 0; g < group; g++) { mx[g] = -INFINITY; den[g] = 0.f; }
+    for (int64_t i = 0; i < group * D; i++) acc[i] = 0.f;
+    for (int64_t p0 = 0; p0 < L; p0 += KVQ_TILE) {
+        const int64_t n = L - p0 < KVQ_TILE ? L - p0 : KVQ_TILE;
+        const char *krow[KVQ_TILE + 3], *vrow[KVQ_TILE];
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t p = p0 + j;
+            krow[j] = cache + (size_t)(blocks[p / block_size] * block_size + p % block_size) * slot_bytes
+                      + (size_t)kvh * D * esz;
+            vrow[j] = krow[j] + (size_t)Hkv * D * esz;
+        }
+        for (int64_t j = n; j < n + 3; j++) krow[j] = krow[0];  /* the last group of four reads valid rows */
+        for (int64_t g = 0; g < group; g++) {
+            const float* qg = qs + g * D;
+            float tile_max = mx[g];
+            for (int64_t j = 0; j < n; j += 4) {
+                __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+                for (int64_t i = 0; i < D; i += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qg + i);
+                    s0 = _mm256_fmadd_ps(qv, cache8_avx2(krow[j], dtype, i), s0);
+                    s1 = _mm256_fmadd_ps(qv, cache8_avx2(krow[j + 1], dtype, i), s1);
+                    s2 = _mm256_fmadd_ps(qv, cache8_avx2(krow[j + 2], dtype, i), s2);
+                    s3 = _mm256_fmadd_ps(qv, cache8_avx2(krow[j + 3], dtype, i), s3);
+                }
+                float dots[4] = {hsum8_avx2(s0), hsum8_avx2(s1), hsum8_avx2(s2), hsum8_avx2(s3)};
+                for (int64_t t = 0; t < 4 && j + t < n; t++) {
+                    sc[g][j + t] = dots[t];
+                    tile_max = dots[t] > tile_max ? dots[t] : tile_max;
+                }
+            }
+            const float corr = expf(mx[g] - tile_max);
+            den[g] *= corr;
+            for (int64_t i = 0; i < D; i++) acc[g * D + i] *= corr;
+            mx[g] = tile_max;
+            int64_t j = 0;
+            __m256 dsum = _mm256_setzero_ps();
+            for (; j + 8 <= n; j += 8) {
+                __m256 e = exp_nonpos_avx2(_mm256_sub_ps(_mm256_loadu_ps(sc[g] + j), _mm256_set1_ps(tile_max)));
+                _mm256_storeu_ps(sc[g] + j, e);
+                dsum = _mm256_add_ps(dsum, e);
+            }
+            den[g] += hsum8_avx2(dsum);
+            for (; j < n; j++) { sc[g][j] = expf(sc[g][j] - tile_max); den[g] += sc[g][j]; }
+        }
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t i = 0; i < D; i += 32) {
+                float* ag = acc + g * D + i;
+                __m256 a0 = _mm256_loadu_ps(ag), a1 = _mm256_loadu_ps(ag + 8);
+                __m256 a2 = _mm256_loadu_ps(ag + 16), a3 = _mm256_loadu_ps(ag + 24);
+                for (int64_t j = 0; j < n; j++) {
+                    const __m256 e = _mm256_set1_ps(sc[g][j]);
+                    a0 = _mm256_fmadd_ps(e, cache8_avx2(vrow[j], dtype, i), a0);
+                    a1 = _mm256_fmadd_ps(e, cache8_avx2(vrow[j], dtype, i + 8), a1);
+                    a2 = _mm256_fmadd_ps(e, cache8_avx2(vrow[j], dtype, i + 16), a2);
+                    a3 = _mm256_fmadd_ps(e, cache8_avx2(vrow[j], dtype, i + 24), a3);
+                }
+                _mm256_storeu_ps(ag, a0); _mm256_storeu_ps(ag + 8, a1);
+                _mm256_storeu_ps(ag + 16, a2); _mm256_storeu_ps(ag + 24, a3);
+            }
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t i = 0; i < D; i++) acc[g * D + i] /= den[g];
+}
+#endif
+
 typedef struct {
     const void* q; int dtype; int64_t ldq; const void* cache; const int64_t *block_table, *context_lens;
-    int64_t max_blocks, block_size, H, Hkv, D; float scale; void* out;
+    int64_t max_blocks, block_size, H, Hkv, D; float scale; void* out; int avx2;
 } attention_job;
 
 static void attend_chunk(const void* ctx, int64_t item) {  /* one (sequence, KV head) */
@@ -672,6 +774,12 @@ static void attend_chunk(const void* ctx, int64_t item) {  /* one (sequence, KV 
     float qs[KVQ_MAX_GROUP * KVQ_MAX_D], acc[KVQ_MAX_GROUP * KVQ_MAX_D];
     if (group < 1 || D < 1) return;  /* refused by the caller; tells the compiler qs is written */
     for (int64_t i = 0; i < group * D; i++) qs[i] = load_x(j->q, j->dtype, b * j->ldq + kvh * group * D + i) * j->scale;
+#ifdef KVQ_X86
+    if (j->avx2 && D % 32 == 0)
+        attend_one_avx2(qs, group, D, (const char*)j->cache, j->dtype, j->Hkv, kvh, j->block_table + b * j->max_blocks,
+                        j->block_size, j->context_lens[b], acc);
+    else
+#endif
     attend_one(qs, group, D, (const char*)j->cache, j->dtype, j->Hkv, kvh, j->block_table + b * j->max_blocks,
                j->block_size, j->context_lens[b], acc);
     for (int64_t i = 0; i < group * D; i++) store_y(j->out, j->dtype, b * j->H * D + kvh * group * D + i, acc[i]);
@@ -682,7 +790,8 @@ int kvq_decode_attention(const void* q, int dtype, int64_t ldq, const void* cach
                          int64_t max_blocks, const int64_t* context_lens, int64_t block_size, int64_t B,
                          int64_t H, int64_t Hkv, int64_t D, float scale, void* out, int num_threads) {
     if (H / Hkv > KVQ_MAX_GROUP || D > KVQ_MAX_D) return -1;
-    attention_job j = {q, dtype, ldq, cache, block_table, context_lens, max_blocks, block_size, H, Hkv, D, scale, out};
+    attention_job j = {q, dtype, ldq, cache, block_table, context_lens, max_blocks, block_size, H, Hkv, D, scale, out,
+                       !g_force_scalar && kvq_has_avx2()};
     /* Below ~1,000 positions in all, one (sequence, head) takes microseconds: no helpers. */
     int64_t positions = 0;
     for (int64_t b = 0; b < B; b++) positions += context_lens[b];

@@ -122,21 +122,22 @@ def test_bad_operands_are_refused():
         QuantizedWeight.from_float("q8_0", torch.randn(4, 48))
 
 
-def test_decode_attention_reads_paged_cache_like_sdpa():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_reads_paged_cache_like_sdpa(isa, dtype):
     from kvserve.model.attention import AttentionMetadata, native_attention
 
     h, hkv, d, block_size = 6, 2, 32, 4
     lens = [1, 9, 75]  # the last spans three of the kernel's 32-position tiles
     order = torch.randperm(30, generator=torch.Generator().manual_seed(0)).tolist()  # scattered blocks
     blocks = [order[:1], order[1:4], order[4:23]]
-    cache = torch.randn(30 * block_size + 1, 2, hkv, d)
+    cache = torch.randn(30 * block_size + 1, 2, hkv, d).to(dtype)
     table = torch.zeros(3, 19, dtype=torch.int64)
     for row, b in enumerate(blocks):
         table[row, :len(b)] = torch.tensor(b)
     positions = torch.tensor([n - 1 for n in lens])
     slots = torch.tensor([b[(n - 1) // block_size] * block_size + (n - 1) % block_size for b, n in zip(blocks, lens)])
-    qkv = torch.randn(3, (h + 2 * hkv) * d)
-    cos, sin = torch.ones(80, d), torch.zeros(80, d)  # identity rotation: checks attention alone
+    qkv = torch.randn(3, (h + 2 * hkv) * d).to(dtype)
+    cos, sin = torch.ones(80, d, dtype=dtype), torch.zeros(80, d, dtype=dtype)  # identity rotation: attention alone
     meta = AttentionMetadata(positions=positions, slot_mapping=slots, query_index=torch.arange(3),
                              context_slots=torch.zeros(3, 1, dtype=torch.int64), attn_mask=None, num_seqs=3,
                              max_query_len=1, context_lens=torch.tensor(lens), block_table=table,
@@ -146,8 +147,9 @@ def test_decode_attention_reads_paged_cache_like_sdpa():
         ctx_slots = torch.tensor([b[p // block_size] * block_size + p % block_size for p in range(n)])
         k, v = cache[ctx_slots, 0].transpose(0, 1), cache[ctx_slots, 1].transpose(0, 1)  # [Hkv, n, D]
         q = qkv[row, :h * d].view(hkv, h // hkv, d)
-        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.2).reshape(-1)
-        torch.testing.assert_close(out[row], expected, atol=1e-5, rtol=1e-5)
+        expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.2)
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+        torch.testing.assert_close(out[row].float(), expected.reshape(-1), atol=tolerance, rtol=tolerance)
         # The kernel wrote this token's k and v at its slot before attending.
         assert torch.equal(cache[slots[row], 1].reshape(-1), qkv[row, (h + hkv) * d:])
 

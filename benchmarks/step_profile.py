@@ -29,7 +29,7 @@ from kvserve.model import quantized
 from kvserve.model.loader import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = ("kvq_matmul", "kvq_decode_attention", "kvq_rope_write_kv", "kvq_dequantize_rows")
+KERNELS = ("kvq_matmul", "kvq_decode_attention", "kvq_rope_write_kv", "kvq_dequantize_rows", "kvq_decode_layers")
 
 
 def label_kernels() -> None:

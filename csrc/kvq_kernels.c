@@ -798,3 +798,45 @@ int kvq_decode_attention(const void* q, int dtype, int64_t ldq, const void* cach
     parallel_chunks(positions * Hkv < 1024 ? 1 : num_threads, B * Hkv, attend_chunk, &j);
     return 0;
 }
+
+/* ---- a decode step's layers in one call ------------------------------------ */
+
+/* One decoder layer's weights (packed, ggml type ids) and its KV cache. */
+typedef struct {
+    const uint8_t *qkv, *o, *gate_up, *down;
+    int qkv_type, o_type, gate_up_type, down_type;
+    const void *input_norm, *post_norm;  /* [hidden], the activations' dtype */
+    void* kv_cache;                      /* [slots, 2, Hkv, D] */
+} kvq_layer;
+
+/* Every layer of a decode-only step (one new token per sequence, T == B), the
+ * same kernels in the same order as the per-op path (model/llama.py's
+ * DecoderLayer), so the result is bit for bit the same; what it saves is the
+ * Python between ~5 calls per layer. residual: [T, hidden], updated in place
+ * (each residual add is the matmul's own add, element by element, so y may
+ * be add). Scratch: qkv [T, (H + 2 Hkv) D], attn [T, H D], gate_up [T, 2 inter].
+ * Returns 0, or -1 (a kernel refused: allocation or a head shape past the
+ * attention kernel's buffers; checked before the first layer where it can be). */
+int kvq_decode_layers(const kvq_layer* layers, int64_t num_layers, void* residual, int dtype, int64_t T,
+                      int64_t hidden, int64_t inter, int64_t H, int64_t Hkv, int64_t D, float eps, float scale,
+                      const int64_t* positions, const void* cos, const void* sin, const int64_t* slots,
+                      const int64_t* block_table, int64_t max_blocks, const int64_t* context_lens,
+                      int64_t block_size, void* qkv, void* attn, void* gate_up, int num_threads) {
+    if (H / Hkv > KVQ_MAX_GROUP || D > KVQ_MAX_D) return -1;
+    const int64_t nqkv = (H + 2 * Hkv) * D;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const kvq_layer* ly = &layers[l];
+        if (kvq_matmul(ly->qkv_type, ly->qkv, nqkv, hidden, residual, dtype, hidden, KVQ_X_RMS_NORM, ly->input_norm,
+                       eps, T, qkv, dtype, nqkv, NULL, 0, 0, num_threads)) return -1;
+        kvq_rope_write_kv(qkv, dtype, T, nqkv, positions, cos, sin, slots, ly->kv_cache, H, Hkv, D, num_threads);
+        if (kvq_decode_attention(qkv, dtype, nqkv, ly->kv_cache, block_table, max_blocks, context_lens, block_size,
+                                 T, H, Hkv, D, scale, attn, num_threads)) return -1;
+        if (kvq_matmul(ly->o_type, ly->o, hidden, H * D, attn, dtype, H * D, KVQ_X_PLAIN, NULL, 0.f, T,
+                       residual, dtype, hidden, residual, dtype, hidden, num_threads)) return -1;
+        if (kvq_matmul(ly->gate_up_type, ly->gate_up, 2 * inter, hidden, residual, dtype, hidden, KVQ_X_RMS_NORM,
+                       ly->post_norm, eps, T, gate_up, dtype, 2 * inter, NULL, 0, 0, num_threads)) return -1;
+        if (kvq_matmul(ly->down_type, ly->down, hidden, inter, gate_up, dtype, 2 * inter, KVQ_X_SWIGLU, NULL, 0.f, T,
+                       residual, dtype, hidden, residual, dtype, hidden, num_threads)) return -1;
+    }
+    return 0;
+}

@@ -229,6 +229,32 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions():
     assert list(alone.values())[0].token_ids == list(crowded.values())[2].token_ids
 
 
+@pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
+def test_native_decode_step_is_bit_identical_to_the_layer_by_layer_path(qtype):
+    """Decode steps run all layers in one native call (kvq_decode_layers); the
+    hidden states it hands the LM head equal the per-op path's exactly."""
+    from kvserve.contract import SamplingParams
+    from tests.tiny_models import random_prompts, run_to_completion, tiny_engine, tiny_llama
+
+    hf = tiny_llama(seed=4)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts([5, 13, 9], seed=7)
+    hidden_by_path = {}
+    for native in (True, False):
+        engine = tiny_engine(hf, quantization=qtype)
+        model = engine.runner.model
+        assert model.native_decode is not None
+        if not native:
+            model.native_decode = None
+        seen, compute_logits = [], model.compute_logits
+        model.compute_logits = lambda hidden, _seen=seen, _f=compute_logits: _seen.append(hidden.clone()) or _f(hidden)
+        run_to_completion(engine, prompts, params)
+        hidden_by_path[native] = seen
+    assert len(hidden_by_path[True]) == len(hidden_by_path[False]) > 3  # a prefill, then decode steps
+    for native, per_op in zip(hidden_by_path[True], hidden_by_path[False]):
+        assert torch.equal(native, per_op)
+
+
 SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
                 "1, 2, 3, 4,", "Water boils at", "The quick brown fox", "In machine learning, a transformer is",
                 "Hello"]

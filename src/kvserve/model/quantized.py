@@ -66,6 +66,9 @@ def _library() -> ctypes.CDLL | None:
     lib.kvq_decode_attention.restype = i32
     lib.kvq_dequantize_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32, i32]
     lib.kvq_dequantize_rows.restype = None
+    lib.kvq_decode_layers.argtypes = [ptr, i64, ptr, i32, i64, i64, i64, i64, i64, i64, f32, f32,
+                                      ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i32]
+    lib.kvq_decode_layers.restype = i32
     lib.kvq_set_isa.argtypes = [i32]
     lib.kvq_set_isa.restype = i32
     lib.kvq_set_isa(int(os.environ.get("KVSERVE_KVQ_PORTABLE", "0") == "1"))
@@ -239,6 +242,23 @@ class QuantizedWeight:
             packed = torch.cat([p.packed for p in parts])  # whole groups: bytes stack as they are
             return cls(qtype, packed, sum(p.out_features for p in parts), in_features)
         return cls.from_gguf_rows(qtype, np.concatenate([p.gguf_rows() for p in parts]), in_features)
+
+
+class NativeLayer(ctypes.Structure):
+    """csrc's kvq_layer: one decoder layer's packed weights, norms and KV cache
+    as raw pointers (the tensors must outlive the table holding them)."""
+
+    _fields_ = [("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
+                ("down", ctypes.c_void_p), ("qkv_type", ctypes.c_int), ("o_type", ctypes.c_int),
+                ("gate_up_type", ctypes.c_int), ("down_type", ctypes.c_int), ("input_norm", ctypes.c_void_p),
+                ("post_norm", ctypes.c_void_p), ("kv_cache", ctypes.c_void_p)]
+
+    @classmethod
+    def of(cls, qkv: QuantizedWeight, o: QuantizedWeight, gate_up: QuantizedWeight, down: QuantizedWeight,
+           input_norm: Tensor, post_norm: Tensor, kv_cache: Tensor) -> "NativeLayer":
+        weights = (qkv, o, gate_up, down)
+        return cls(*(w.packed.data_ptr() for w in weights), *(QUANT_TYPES[w.qtype][0] for w in weights),
+                   input_norm.data_ptr(), post_norm.data_ptr(), kv_cache.data_ptr())
 
 
 def activation_type(dtype: torch.dtype) -> int:

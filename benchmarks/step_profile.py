@@ -5,7 +5,8 @@ and `auto` (the shipped Q4_1 computed quantized).
 
 The native kernels are ctypes calls, invisible to the profiler: each is
 wrapped in `record_function` here (only here), so the table names them
-(kvq_matmul, kvq_decode_attention, kvq_rope_write_kv, kvq_dequantize_rows).
+(kvq_matmul, kvq_decode_attention, kvq_rope_write_kv, kvq_dequantize_rows, and
+kvq_decode_layers: a decode-only step's layers in one call).
 
     .venv/bin/python benchmarks/step_profile.py [--threads 2] [--quantization none,auto]
 

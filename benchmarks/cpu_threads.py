@@ -6,11 +6,11 @@ after of a change).
 
 Every point runs in a fresh process (libgomp reads its wait policy once, when
 it loads), points alternate round by round so the machine's drift hits all
-alike, and each reports the median decode step at batch 1 and 8 (context ~130
+alike, and each reports the median decode step at batch 1 and 8 (--batches; context ~130
 tokens) plus the load average around it.
 
     .venv/bin/python benchmarks/cpu_threads.py [--threads 1,2] [--policies default,passive,spin300k]
-        [--busy 0,1] [--rounds 2] [--sources branch=src,main=/tmp/main/src]
+        [--busy 0,1] [--rounds 2] [--batches 1,8] [--sources branch=src,main=/tmp/main/src]
 
 Prints a table; writes benchmarks/results/cpu_threads.json.
 """
@@ -36,7 +36,7 @@ POLICIES = {
     "spin300k": {"GOMP_SPINCOUNT": "300000"},  # libgomp's own default when nothing is set
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},
 }
-BATCHES = (1, 8)
+BATCHES = "1,8"  # default --batches
 
 
 def child(args: argparse.Namespace) -> int:
@@ -47,15 +47,17 @@ def child(args: argparse.Namespace) -> int:
     from step_profile import decoding_engine
 
     torch.set_num_threads(args.threads)
-    result = {}
-    for batch in BATCHES:
+    result: dict = {"step_ms": {}, "cpu_ms": {}}
+    for batch in (int(b) for b in args.batches.split(",")):
         core = decoding_engine("auto", batch, 128)
-        steps = []
+        steps, cpu = [], []
         for _ in range(args.steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             core.step()
             steps.append(time.perf_counter() - t0)
-        result[str(batch)] = statistics.median(steps) * 1e3
+            cpu.append(time.process_time() - c0)
+        result["step_ms"][str(batch)] = statistics.median(steps) * 1e3
+        result["cpu_ms"][str(batch)] = statistics.median(cpu) * 1e3
         del core
     print(json.dumps(result))
     return 0
@@ -78,18 +80,19 @@ class BusyProcesses:
             p.wait()
 
 
-def run_point(source: str, threads: int, policy: str, busy: int, steps: int) -> dict:
+def run_point(source: str, threads: int, policy: str, busy: int, steps: int, batches: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update(POLICIES[policy])
     env["PYTHONPATH"] = source
     load_before = os.getloadavg()[0]
     with BusyProcesses(busy):
-        out = subprocess.run([sys.executable, __file__, "--child", "--threads", str(threads), "--steps", str(steps)],
+        out = subprocess.run([sys.executable, __file__, "--child", "--threads", str(threads), "--steps", str(steps),
+                              "--batches", batches],
                              env=env, capture_output=True, text=True, timeout=900)
     if out.returncode:
         raise RuntimeError(out.stderr[-2000:])
-    step_ms = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"step_ms": {int(b): ms for b, ms in step_ms.items()},
+    child_result = json.loads(out.stdout.strip().splitlines()[-1])
+    return {kind: {int(b): ms for b, ms in child_result[kind].items()} for kind in ("step_ms", "cpu_ms")} | {
             "load_avg_1m": [load_before, os.getloadavg()[0]]}
 
 
@@ -101,6 +104,7 @@ def main() -> int:
     parser.add_argument("--busy", default="0,1", help="extra busy processes per point (comma list)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30, help="decode steps per batch size")
+    parser.add_argument("--batches", default=BATCHES, help="decode batch sizes (comma list)")
     parser.add_argument("--sources", default=f"branch={ROOT / 'src'}",
                         help="name=path-to-src list: source trees compared side by side")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_threads.json"))
@@ -115,27 +119,31 @@ def main() -> int:
     for round_index in range(args.rounds):
         for source, threads, policy, busy in points:
             run = {"round": round_index, "source": source, "threads": threads, "policy": policy, "busy": busy,
-                   **run_point(sources[source], threads, policy, busy, args.steps)}
+                   **run_point(sources[source], threads, policy, busy, args.steps, args.batches)}
             runs.append(run)
             print(f"  {source} threads={threads} {policy} busy={busy}: "
-                  + ", ".join(f"batch {b} {ms:.1f} ms" for b, ms in run["step_ms"].items())
+                  + ", ".join(f"batch {b} {ms:.1f} ms ({run['cpu_ms'][b]:.1f} CPU)" for b, ms in run["step_ms"].items())
                   + f" (load {run['load_avg_1m'][0]:.1f})", file=sys.stderr, flush=True)
-    print_table(runs, points)
+    print_table(runs, points, [int(b) for b in args.batches.split(",")])
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                           "cpus": os.cpu_count(), "policies": POLICIES, "runs": runs}, indent=1))
     return 0
 
 
-def print_table(runs: list[dict], points: list[tuple]) -> None:
-    print("\nmedian decode step (ms), best of the rounds; batch 8 as ms per token in brackets\n")
-    print("| source | extra busy processes | threads | wait policy | batch 1 | batch 8 | load avg |")
-    print("|---|---:|---:|---|---:|---:|---:|")
+def print_table(runs: list[dict], points: list[tuple], batches: list[int]) -> None:
+    print("\nmedian decode step (ms), best of the rounds; ms per token in brackets; then the process's CPU ms per\n"
+          "step (every thread; on a loaded machine the wall time also holds the waits for a core)\n")
+    print("| source | extra busy processes | threads | wait policy | "
+          + " | ".join(f"batch {b}" for b in batches) + " | load avg |")
+    print("|---|---:|---:|---|" + "---:|" * len(batches) + "---:|")
     for source, threads, policy, busy in points:
         mine = [r for r in runs if (r["source"], r["threads"], r["policy"], r["busy"]) == (source, threads, policy,
                                                                                            busy)]
-        b1, b8 = (min(r["step_ms"][b] for r in mine) for b in BATCHES)
+        best = {b: min(r["step_ms"][b] for r in mine) for b in batches}
+        cpu = {b: min(r["cpu_ms"][b] for r in mine) for b in batches}
+        cells = [f"{ms:.1f}" + (f" ({ms / b:.1f})" if b > 1 else "") + f", {cpu[b]:.1f} CPU" for b, ms in best.items()]
         load = statistics.mean(r["load_avg_1m"][0] for r in mine)
-        print(f"| {source} | {busy} | {threads} | {policy} | {b1:.1f} | {b8:.1f} ({b8 / 8:.1f}) | {load:.1f} |")
+        print(f"| {source} | {busy} | {threads} | {policy} | " + " | ".join(cells) + f" | {load:.1f} |")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import weakref
 import httpx
 import pytest
 
+from tests.load_helpers import wait_until
 from tests.server_helpers import KV_BYTES_PER_TOKEN, live_server, tiny_core
 from tests.tiny_models import tiny_llama, weights_of
 
@@ -51,7 +52,10 @@ def test_sleep_frees_the_kv_cache_refuses_and_wakes_to_the_same_output():
         assert asleep.status_code == 200 and asleep.json()["freed_bytes"] >= KV_MIB * 2**20
         gc.collect()
         assert kv_tensor() is None  # nothing holds the old cache tensor
-        assert rss_awake - _rss_bytes() >= 0.8 * KV_MIB * 2**20  # the memory went back to the system
+        # The memory went back to the system (polled: another thread's
+        # allocations in the moment can hide part of the drop on a busy box).
+        assert wait_until(lambda: rss_awake - _rss_bytes() >= 0.8 * KV_MIB * 2**20, 5), \
+            (rss_awake - _rss_bytes()) / 2**20
         assert client.get("/is_sleeping").json() == {"is_sleeping": True, "level": 1}
         refused = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "sleeping"

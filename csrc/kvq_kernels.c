@@ -193,6 +193,8 @@ static void parallel_chunks(int num_threads, int64_t num_chunks, chunk_fn fn, co
     while (g_pool.num_helpers < helpers) {
         if (pthread_create(&g_pool.threads[g_pool.num_helpers], NULL, helper_main,
                            (void*)(intptr_t)g_pool.num_helpers) != 0) break;
+        /* Named here too: a helper not yet scheduled would still show the caller's name. */
+        pthread_setname_np(g_pool.threads[g_pool.num_helpers], "kvq-pool");
         pthread_detach(g_pool.threads[g_pool.num_helpers]);
         g_pool.num_helpers++;
     }

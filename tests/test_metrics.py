@@ -3,12 +3,14 @@ sent, and kvserve's admission / SLO counters."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 
 from kvserve.contract import RequestTimestamps
 from kvserve.metrics import ServerMetrics
 from tests.load_helpers import metric, scrape
-from tests.server_helpers import MODEL_NAME, live_server, tiny_core
+from tests.server_helpers import KV_BYTES_PER_TOKEN, MODEL_NAME, live_server, slow_steps, tiny_core
 
 VLLM_NAMES = [
     "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
@@ -79,9 +81,9 @@ def test_histogram_buckets_and_slo_counters_from_timestamps():
     assert value('vllm:time_to_first_token_seconds_bucket{le="1.0",model_name="m"}') == 2  # and 1.0 s
     assert value('vllm:inter_token_latency_seconds_count{model_name="m"}') == 3
     assert value('vllm:request_queue_time_seconds_bucket{le="0.01",model_name="m"}') == 1
-    assert value('kvserve_slo_requests_total{model_name="m",result="met",slo="ttft"}') == 1
-    assert value('kvserve_slo_requests_total{model_name="m",result="missed",slo="tpot"}') == 1
-    assert value('kvserve_slo_requests_total{model_name="m",result="missed",slo="both"}') == 1
+    assert value('kvserve_slo_requests_total{model_name="m",priority="0",result="met",slo="ttft",tenant="default"}') == 1
+    assert value('kvserve_slo_requests_total{model_name="m",priority="0",result="missed",slo="tpot",tenant="default"}') == 1
+    assert value('kvserve_slo_requests_total{model_name="m",priority="0",result="missed",slo="both",tenant="default"}') == 1
     assert value('vllm:request_success_total{finished_reason="stop",model_name="m"}') == 1
 
 
@@ -147,3 +149,83 @@ def test_resident_weight_bytes_by_format():
     metrics.record_weights({"q4_1": 1000, "q8_0": 24})
     text = metrics.render().decode()
     assert 'kvserve_model_weight_bytes{format="q4_1",model_name="m"} 1000.0' in text
+
+
+def test_length_histograms_count_exactly_what_was_sent():
+    core = tiny_core(num_blocks=16, max_model_len=512)
+    sent = [(10, 4), (20, 5), (30, 6)]  # (prompt tokens, max_tokens); the tiny model has no EOS
+    with live_server(core) as srv, httpx.Client(base_url=srv.base_url, timeout=30) as http:
+        for i, (num_prompt, max_tokens) in enumerate(sent):
+            prompt = list(range(1 + 40 * i, 1 + 40 * i + num_prompt))  # no shared prefix
+            r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+                                                   "priority": 3 if i == 0 else 0})
+            assert r.status_code == 200
+        s = scrape(srv.base_url)
+
+    assert metric(s, "vllm:request_prompt_tokens_count") == 3
+    assert metric(s, "vllm:request_prompt_tokens_sum") == 60
+    assert metric(s, "vllm:request_prompt_tokens_bucket", le="10.0") == 1  # vLLM's 1-2-5 buckets
+    assert metric(s, "vllm:request_prompt_tokens_bucket", le="20.0") == 2
+    assert metric(s, "vllm:request_prompt_tokens_bucket", le="50.0") == 3
+    assert metric(s, "vllm:request_generation_tokens_sum") == 15
+    assert metric(s, "vllm:request_generation_tokens_bucket", le="5.0") == 2
+    # One request at a time: a prefill step of its prompt, then one token per decode step.
+    assert metric(s, "vllm:iteration_tokens_total_count") == 3 + 3 + 4 + 5
+    assert metric(s, "vllm:iteration_tokens_total_sum") == 60 + 3 + 4 + 5
+    assert metric(s, "vllm:iteration_tokens_total_bucket", le="1.0") == 3 + 4 + 5
+    # After each step the running request holds its prompt and the tokens so
+    # far; after its last token it is no longer running.
+    running = [p + k for p, m in sent for k in range(1, m)]
+    assert metric(s, "kvserve_running_context_tokens_count") == len(running)
+    assert metric(s, "kvserve_running_context_tokens_sum") == sum(running)
+    assert metric(s, "kvserve_running_context_tokens_bucket", le="20.0") == sum(1 for n in running if n <= 20)
+    assert metric(s, "kvserve_waiting_context_tokens_count") == 0
+    # SLO verdicts by priority class and tenant.
+    assert metric(s, "kvserve_slo_requests_total", slo="both", priority="3", tenant="default") == 1
+    assert metric(s, "kvserve_slo_requests_total", slo="both", priority="0", tenant="default") == 2
+    assert metric(s, "vllm:cache_config_info", block_size="16", num_gpu_blocks="16",
+                  enable_prefix_caching="True", cache_dtype="float32") == 1
+
+
+def test_a_small_cache_shows_evictions_allocation_failures_and_waiting_lengths():
+    core = slow_steps(tiny_core(num_blocks=8, max_model_len=512), 0.01)  # 128 token slots
+    with live_server(core) as srv, httpx.Client(base_url=srv.base_url, timeout=60) as http:
+        first = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": list(range(1, 41)),
+                                                   "max_tokens": 2})
+        assert first.status_code == 200  # leaves its two full blocks in the prefix cache
+        s = scrape(srv.base_url)
+        assert metric(s, "kvserve_prefix_cache_evicted_blocks_total") == 0
+        assert metric(s, "kvserve_kv_allocation_failures_total") == 0
+        # Three requests of 5 blocks each into 8: one runs, the others wait
+        # for its blocks, and the cached blocks are evicted to make room.
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(http.post, "/v1/completions",
+                                   json={"model": MODEL_NAME, "prompt": list(range(100 + 60 * i, 150 + 60 * i)),
+                                         "max_tokens": 30}) for i in range(3)]
+            statuses = [f.result().status_code for f in futures]
+        s = scrape(srv.base_url)
+    assert statuses.count(200) >= 2, statuses
+    assert metric(s, "kvserve_prefix_cache_evicted_blocks_total") >= 2
+    assert metric(s, "kvserve_kv_allocation_failures_total") >= 1
+    waited = metric(s, "kvserve_waiting_context_tokens_count")
+    assert waited >= 1
+    # New requests wait with their 50-token prompt; a preempted one with its output too.
+    assert metric(s, "kvserve_waiting_context_tokens_bucket", le="50.0") >= 1
+    assert metric(s, "kvserve_waiting_context_tokens_bucket", le="20.0") == 0
+    assert metric(s, "kvserve_waiting_context_tokens_sum") >= 50 * waited
+    assert metric(s, "kvserve_memory_bytes", kind="kv_cache") == (8 * 16 + 1) * KV_BYTES_PER_TOKEN  # + scratch slot
+    assert metric(s, "kvserve_memory_bytes", kind="weights") == core.runner.weight_bytes
+    assert metric(s, "vllm:num_requests_waiting_by_reason", reason="capacity") == 0
+
+
+def test_preemption_counts_the_tokens_it_drops():
+    from kvserve.scheduler.scheduler import SchedulerStats
+
+    metrics = ServerMetrics("m", 1.0, 0.1)
+    for recomputed in (0, 40, 40, 70):
+        metrics.record_stats(SchedulerStats(1, 2, 1, 0.5, 0, 0, 3, 4, recomputed), num_deferred=1)
+    text = metrics.render().decode()
+    assert 'kvserve_recomputed_tokens_total{model_name="m"} 70.0' in text
+    assert 'kvserve_kv_allocation_failures_total{model_name="m"} 4.0' in text
+    assert 'vllm:num_requests_waiting_by_reason{model_name="m",reason="deferred"} 1.0' in text
+    assert 'vllm:num_requests_waiting_by_reason{model_name="m",reason="capacity"} 2.0' in text

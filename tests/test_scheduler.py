@@ -106,10 +106,14 @@ def test_preemption_victim_is_lowest_priority_latest_arrival_and_resumes_first()
         sched.add_request(r)
     step(sched, clock)
     assert sched.kv_cache.num_free_blocks == 0
+    assert sched.stats().num_allocation_failures == 0
     out = step(sched, clock)  # each needs a 3rd block now: someone must go
     assert out.preempted_ids[0] == "late"
     assert late_batch.status == RequestStatus.PREEMPTED and late_batch.num_computed_tokens == 0
     assert sched.stats().num_preemptions >= 1
+    # Its 8 prompt tokens' KV was dropped: they are computed again on resume.
+    assert sched.stats().num_recomputed_tokens == 8 * sched.stats().num_preemptions
+    assert sched.stats().num_allocation_failures >= 1
     # The preempted request keeps its output and recomputes it on resume.
     assert late_batch.num_output_tokens == 1
     assert sched.waiting.peek(clock.now) is late_batch
@@ -314,5 +318,6 @@ def test_prefix_hit_tokens_asks_without_taking_and_reset_forgets_cached_blocks_a
     assert sched.prefix_hit_tokens(make_request("c", num_prompt=13, max_tokens=2)) == 0
     s = sched.stats()
     assert (s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions) == (0, 0, 0)
+    assert (s.num_evicted_blocks, s.num_allocation_failures, s.num_recomputed_tokens) == (0, 0, 0)
     assert sched.kv_cache.pool.num_cached_blocks == 0
     sched.kv_cache.check_integrity()

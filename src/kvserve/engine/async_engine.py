@@ -67,6 +67,11 @@ class Finished:
     abort_reason: str | None = None  # why it was aborted (disconnect, stalled, queue_timeout, ...)
     error: str | None = None  # the engine refused or failed it
     num_prompt_tokens: int = 0
+    # Who asked and what it cost, for the SLO counters and the trace.
+    priority: int = 0
+    tenant: str = "default"
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served
+    num_preemptions: int = 0
 
 
 @dataclass
@@ -81,6 +86,12 @@ class StepReport:
     limits: StepLimits | None = None  # what admission limited the step to (None: no admission)
     queue_waits: list[QueueWait] = field(default_factory=list)  # of the requests the step started
     spec_decode: SpecDecodeCounts | None = None  # the step's draft verifications (None: speculation off)
+    # After the step: each running and waiting request's tokens (prompt +
+    # output so far), and the requests deferred outside the scheduler (a
+    # grammar compiling).
+    running_context_tokens: list[int] = field(default_factory=list)
+    waiting_context_tokens: list[int] = field(default_factory=list)
+    num_deferred: int = 0
 
 
 @dataclass
@@ -128,6 +139,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.streams: dict[str, RequestStream] = {}  # event loop thread only
+        self._requests: dict[str, Request] = {}  # engine thread only: added and not yet finished
         self.dead: str | None = None  # set when the engine loop crashed
 
     # ---- event loop side ---------------------------------------------------
@@ -255,7 +267,7 @@ class AsyncEngine:
         finished = self._run_commands()
         if not self.core.has_unfinished():
             if finished:
-                self._post([], StepReport(0.0, 0, 0, finished, self.core.stats()))
+                self._post([], self._report(0.0, 0, 0, finished, None))
             return False
         limits = self._before_step(finished)
         clock = self.core.clock
@@ -276,10 +288,18 @@ class AsyncEngine:
                 self.admission.on_step_end(result.num_decode_seqs, result.num_prefill_tokens, step_s,
                                            result.captured_graph)
         finished += self._finish([o for o in result.outputs if o.finished and o.request_id not in outgrown])
-        self._post(result.outputs, StepReport(step_s, result.num_decode_seqs, result.num_prefill_tokens,
-                                              finished, self.core.stats(), limits, queue_waits,
-                                              result.spec_decode))
+        self._post(result.outputs, self._report(step_s, result.num_decode_seqs, result.num_prefill_tokens,
+                                                finished, limits, queue_waits, result.spec_decode))
         return True
+
+    def _report(self, step_s: float, num_decode_seqs: int, num_prefill_tokens: int,
+                finished: list[Finished], limits: StepLimits | None,
+                queue_waits: list[QueueWait] | None = None,
+                spec_decode: SpecDecodeCounts | None = None) -> StepReport:
+        """The step's report with the scheduler's state after it."""
+        running, waiting = self.core.context_lengths()
+        return StepReport(step_s, num_decode_seqs, num_prefill_tokens, finished, self.core.stats(), limits,
+                          queue_waits or [], spec_decode, running, waiting, self.core.num_deferred)
 
     def _before_step(self, finished: list[Finished]) -> StepLimits | None:
         """Expired requests aborted (their Finished records join `finished`),
@@ -297,8 +317,7 @@ class AsyncEngine:
 
     def _finish(self, outputs: list[RequestOutput]) -> list[Finished]:
         """The Finished records of these final outputs, reported to admission."""
-        finished = [Finished(o.request_id, o.finish_reason or "stop", len(o.token_ids), o.timestamps,
-                             num_prompt_tokens=len(o.prompt_token_ids)) for o in outputs]
+        finished = [self._finished(o, o.finish_reason or "stop") for o in outputs]
         for done in finished:
             self._admission_finished(done.request_id, done.num_prompt_tokens + done.num_output_tokens)
         return finished
@@ -339,17 +358,29 @@ class AsyncEngine:
         except ValueError as exc:  # the engine refuses it (too long for the cache, ...)
             self._admission_finished(request.request_id, None)
             return [Finished(request.request_id, "abort", 0, request.timestamps, error=str(exc),
-                             num_prompt_tokens=request.num_prompt_tokens)]
+                             num_prompt_tokens=request.num_prompt_tokens, priority=request.priority,
+                             tenant=request.tenant)]
+        self._requests[request.request_id] = request
         return []
 
     def _abort(self, request_id: str, reason: str) -> list[Finished]:
         output = self.core.abort(request_id)
         if output is None:
             return []  # already finished: its Finished record is on its way
-        done = Finished(request_id, "abort", len(output.token_ids), output.timestamps, abort_reason=reason,
-                        num_prompt_tokens=len(output.prompt_token_ids))
+        done = self._finished(output, "abort", reason)
         self._admission_finished(request_id, done.num_prompt_tokens + done.num_output_tokens)
         return [done]
+
+    def _finished(self, output: RequestOutput, finish_reason: str, abort_reason: str | None = None) -> Finished:
+        """The Finished record of a request's final output (the request leaves `_requests`)."""
+        request = self._requests.pop(output.request_id, None)
+        if request is None:
+            return Finished(output.request_id, finish_reason, len(output.token_ids), output.timestamps,
+                            abort_reason, num_prompt_tokens=len(output.prompt_token_ids))
+        return Finished(output.request_id, finish_reason, len(output.token_ids), output.timestamps, abort_reason,
+                        num_prompt_tokens=len(output.prompt_token_ids), priority=request.priority,
+                        tenant=request.tenant, num_cached_tokens=request.num_cached_tokens,
+                        num_preemptions=request.num_preemptions)
 
     def _admission_finished(self, request_id: str, num_tokens: int | None) -> None:
         if self.admission is not None:

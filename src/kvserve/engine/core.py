@@ -335,6 +335,20 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def context_lengths(self) -> tuple[list[int], list[int]]:
+        """Tokens of each running and each waiting request (Scheduler.context_lengths)."""
+        return self.scheduler.context_lengths()
+
+    @property
+    def num_deferred(self) -> int:
+        """Requests waiting outside the scheduler for their grammar to compile."""
+        return len(self._compiling)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Resident bytes by kind: weights, kv_cache (the preallocated
+        tensor) and workspace (ModelRunner.workspace_bytes)."""
+        return self.runner.memory_bytes()
+
     def prefix_hit_tokens(self, request: Request) -> int:
         """Tokens of a request not yet added that the prefix cache would serve
         now (admission's projection); no state change."""

@@ -44,6 +44,9 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        # allocate_slots calls the pool could not satisfy (the scheduler then
+        # preempts, or holds a waiting request back): the cache is full.
+        self.num_allocation_failures = 0
         self._repeat_token_id = -1  # _encoded_repeat's last token id (none yet) and its encoding
         self._repeat_encoded = b""
 
@@ -104,6 +107,7 @@ class KVCacheManager:
         # Cached hits leave the free pool when taken.
         num_cached_hits = sum(1 for b in computed.blocks if b.ref_count == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_cached_hits:
+            self.num_allocation_failures += 1
             return None
         self.pool.take(computed.blocks)
         new_blocks = self.pool.allocate(max(num_new_blocks, 0)) or []
@@ -129,12 +133,14 @@ class KVCacheManager:
         if num_new_blocks == 1:  # a decode step entering a new block
             block = self.pool.allocate_one()
             if block is None:
+                self.num_allocation_failures += 1
                 return None
             held.append(block)
             self._block_ids[request_id].append(block.block_id)
             return [block]
         new_blocks = self.pool.allocate(num_new_blocks)
         if new_blocks is None:
+            self.num_allocation_failures += 1
             return None
         held.extend(new_blocks)
         self._block_ids[request_id].extend([b.block_id for b in new_blocks])
@@ -192,11 +198,19 @@ class KVCacheManager:
         del self._block_ids[rid][keep:]
         self.pool.release(reversed(tail))
 
+    @property
+    def num_evicted_blocks(self) -> int:
+        """Cached blocks evicted from the prefix cache to make room, since start."""
+        return self.pool.num_evictions
+
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block no request holds and zero the prefix-cache
-        totals (as vLLM's reset_prefix_cache resets its prefix stats)."""
+        """Forget every cached block no request holds and zero the prefix-cache,
+        eviction and allocation-failure totals (as vLLM's reset_prefix_cache
+        resets its prefix stats): forgetting is not evicting."""
         self.pool.reset_prefix_cache()
+        self.pool.num_evictions = 0
         self.prefix_cache_queries = self.prefix_cache_hits = 0
+        self.num_allocation_failures = 0
 
     def _request_hashes(self, request: Request, num_blocks: int, pending_token_id: int | None = None) -> list[bytes]:
         """The request's chained block hashes, extended to `num_blocks` (kept on

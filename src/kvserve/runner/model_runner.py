@@ -6,6 +6,7 @@ step's SchedulerOutput into tensors (runner/step_batch.py) -> forward pass
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,15 @@ def auto_kv_cache_bytes(weight_bytes: int) -> int:
     """The KV cache size when none is configured: what the weights leave of
     AUTO_ENGINE_MEMORY_BYTES, at least MIN_AUTO_KV_BYTES."""
     return max(MIN_AUTO_KV_BYTES, AUTO_ENGINE_MEMORY_BYTES - weight_bytes)
+
+
+def _resident_bytes() -> int:
+    """This process's resident set size (Linux /proc; 0 where unreadable)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class ModelRunner:
@@ -154,6 +164,21 @@ class ModelRunner:
             with torch.cuda.device(self.device):
                 return self._execute(chunks, sampling_states, draft_probs)
         return self._execute(chunks, sampling_states, draft_probs)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes by kind: `weights` (resident, quantized at their block size),
+        `kv_cache` (the preallocated tensor) and `workspace`: on CUDA, peak
+        allocated memory beyond those two (activations, graph pools); on CPU,
+        the process's resident memory beyond them (activations, the
+        interpreter, tokenizer; untouched KV pages are not resident, so it
+        reads low until the cache has been written)."""
+        kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        if self.device.type == "cuda":
+            total = torch.cuda.max_memory_allocated(self.device)
+        else:
+            total = _resident_bytes()
+        return {"weights": self.weight_bytes, "kv_cache": kv_bytes,
+                "workspace": max(0, total - self.weight_bytes - kv_bytes)}
 
     @property
     def num_graph_captures(self) -> int:

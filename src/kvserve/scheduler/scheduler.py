@@ -115,6 +115,9 @@ class SchedulerStats(NamedTuple):
     kv_usage: float  # 0..1
     prefix_cache_queries: int  # tokens
     prefix_cache_hits: int  # tokens
+    num_evicted_blocks: int  # total since start: cached blocks evicted from the prefix cache
+    num_allocation_failures: int  # total: KV allocations the pool could not satisfy
+    num_recomputed_tokens: int  # total: computed tokens whose KV preemption dropped
 
 
 # Sort key of running requests: most urgent first; the last is the
@@ -137,6 +140,7 @@ class Scheduler:
         self.max_batched_tokens = scheduler_config.max_num_batched_tokens
         self.cap_idle_steps = True
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
 
     # -- requests in and out ---------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -206,13 +210,21 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache
         return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions,
-                              kv.usage(), kv.prefix_cache_queries, kv.prefix_cache_hits)
+                              kv.usage(), kv.prefix_cache_queries, kv.prefix_cache_hits,
+                              kv.num_evicted_blocks, kv.num_allocation_failures, self.num_recomputed_tokens)
+
+    def context_lengths(self) -> tuple[list[int], list[int]]:
+        """Tokens (prompt + output so far) of each running and each waiting
+        request: the context lengths behind the KV occupancy."""
+        return ([r.num_tokens for r in self.running.values()],
+                [r.num_tokens for r in self.waiting])
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block no request holds, and zero the prefix-cache
         and preemption totals (an engine's warm-up leaves no trace)."""
         self.kv_cache.reset_prefix_cache()
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
 
     # -- the step ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -313,6 +325,7 @@ class Scheduler:
         del self.running[request.request_id]
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
+        self.num_recomputed_tokens += request.num_computed_tokens
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.num_preemptions += 1

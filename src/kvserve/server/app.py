@@ -42,4 +42,4 @@ def _open_paths(app: FastAPI, serving: Serving) -> frozenset[str]:
     if serving.config.auth_metrics_and_docs:
         return PROBE_PATHS
     docs = {app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url}
-    return PROBE_PATHS | {"/metrics"} | {path for path in docs if path}
+    return PROBE_PATHS | {"/metrics", "/dashboard"} | {path for path in docs if path}

@@ -7,8 +7,9 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from kvserve.dashboard import dashboard_page
 from kvserve.metrics import CONTENT_TYPE_LATEST
 from kvserve.server.errors import APIError
 from kvserve.server.middleware import TENANT_STATE
@@ -113,3 +114,11 @@ async def is_sleeping(request: Request):
 @router.get("/metrics")
 async def metrics(request: Request):
     return Response(_serving(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/dashboard", response_class=HTMLResponse)
+async def dashboard(period_s: float = 2.0):
+    """The live dashboard (kvserve/dashboard.py), drawn in the browser from /metrics."""
+    if not 0.1 <= period_s <= 3600:
+        raise APIError(400, "period_s must be between 0.1 and 3600 seconds", param="period_s")
+    return HTMLResponse(dashboard_page("/metrics", period_s))

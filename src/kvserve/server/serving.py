@@ -72,8 +72,12 @@ class Serving:
         self.admission = AdmissionLoop(AdmissionController(
             admission_config, core.num_kv_blocks, core.config.block_size, core.config.max_num_seqs, clock,
             self.tenants.limits()))
-        self.metrics = ServerMetrics(self.model_name, admission_config.ttft_slo_s, admission_config.tpot_slo_s)
+        self.metrics = ServerMetrics(self.model_name, admission_config.ttft_slo_s, admission_config.tpot_slo_s,
+                                     self.max_model_len)
         self.metrics.record_weights(core.weight_formats())
+        self.metrics.record_memory(core.memory_bytes)
+        self.metrics.record_cache_config(core.config.block_size, core.num_kv_blocks, core.config.enable_prefix_caching,
+                                         core.config.dtype, core.memory_bytes()["kv_cache"])
         self.engine = AsyncEngine(core, self.admission, on_step=self._on_step)
         self.preparer = RequestPreparer(
             self.tokenizer, ModelLimits(self.model_name, self.vocab_size, self.max_model_len), admission_config,
@@ -86,6 +90,7 @@ class Serving:
         self.sleep_level = 0  # 0 awake; 1 KV cache freed; 2 weights dropped too
         # Reads the weights again for a wake from level 2 (server.cli sets it; None: level 2 refused).
         self.reload_weights: Callable[[], dict] | None = None
+        self.metrics.record_ready(lambda: self.ready)
 
     # ---- lifecycle ---------------------------------------------------------
 
@@ -190,9 +195,9 @@ class Serving:
             self._on_finished(done)
         self.metrics.record_step(report.num_decode_seqs, report.num_prefill_tokens, report.step_s)
         if report.stats is not None:
-            s = report.stats
-            self.metrics.record_stats(s.num_running, s.num_waiting, s.kv_usage, s.num_preemptions,
-                                      s.prefix_cache_queries, s.prefix_cache_hits)
+            self.metrics.record_stats(report.stats, report.num_deferred)
+        if report.num_decode_seqs or report.num_prefill_tokens:
+            self.metrics.record_contexts(report.running_context_tokens, report.waiting_context_tokens)
         if report.limits is not None:
             self._record_limits(report.limits)
         if report.spec_decode is not None:
@@ -212,9 +217,9 @@ class Serving:
             self.metrics.record_cancellation(done.abort_reason)
         if done.error is None:
             self.metrics.record_finished(done.timestamps, done.num_prompt_tokens, done.num_output_tokens,
-                                         done.finish_reason, cancelled)
+                                         done.finish_reason, cancelled, done.priority, done.tenant)
         else:  # the engine refused or failed it after admission
-            self.metrics.record_slo_result("aborted")
+            self.metrics.record_slo_result("aborted", done.priority, done.tenant)
 
     # ---- requests ----------------------------------------------------------
 

@@ -153,7 +153,7 @@ def test_resident_weight_bytes_by_format():
 
 def test_length_histograms_count_exactly_what_was_sent():
     core = tiny_core(num_blocks=16, max_model_len=512)
-    sent = [(10, 4), (20, 5), (30, 6)]  # (prompt tokens, max_tokens); the tiny model has no EOS
+    sent = [(10, 4), (19, 5), (30, 6)]  # (prompt tokens, max_tokens); the tiny model has no EOS
     with live_server(core) as srv, httpx.Client(base_url=srv.base_url, timeout=30) as http:
         for i, (num_prompt, max_tokens) in enumerate(sent):
             prompt = list(range(1 + 40 * i, 1 + 40 * i + num_prompt))  # no shared prefix
@@ -163,7 +163,7 @@ def test_length_histograms_count_exactly_what_was_sent():
         s = scrape(srv.base_url)
 
     assert metric(s, "vllm:request_prompt_tokens_count") == 3
-    assert metric(s, "vllm:request_prompt_tokens_sum") == 60
+    assert metric(s, "vllm:request_prompt_tokens_sum") == 59
     assert metric(s, "vllm:request_prompt_tokens_bucket", le="10.0") == 1  # vLLM's 1-2-5 buckets
     assert metric(s, "vllm:request_prompt_tokens_bucket", le="20.0") == 2
     assert metric(s, "vllm:request_prompt_tokens_bucket", le="50.0") == 3
@@ -171,13 +171,14 @@ def test_length_histograms_count_exactly_what_was_sent():
     assert metric(s, "vllm:request_generation_tokens_bucket", le="5.0") == 2
     # One request at a time: a prefill step of its prompt, then one token per decode step.
     assert metric(s, "vllm:iteration_tokens_total_count") == 3 + 3 + 4 + 5
-    assert metric(s, "vllm:iteration_tokens_total_sum") == 60 + 3 + 4 + 5
+    assert metric(s, "vllm:iteration_tokens_total_sum") == 59 + 3 + 4 + 5
     assert metric(s, "vllm:iteration_tokens_total_bucket", le="1.0") == 3 + 4 + 5
     # After each step the running request holds its prompt and the tokens so
     # far; after its last token it is no longer running.
     running = [p + k for p, m in sent for k in range(1, m)]
     assert metric(s, "kvserve_running_context_tokens_count") == len(running)
     assert metric(s, "kvserve_running_context_tokens_sum") == sum(running)
+    assert 20 in running  # on a bucket's bound: counted in it (le)
     assert metric(s, "kvserve_running_context_tokens_bucket", le="20.0") == sum(1 for n in running if n <= 20)
     assert metric(s, "kvserve_waiting_context_tokens_count") == 0
     # SLO verdicts by priority class and tenant.

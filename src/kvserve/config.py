@@ -164,6 +164,10 @@ class ServerConfig:
       scrapers and schema tools work unchanged. /health and /ready never do.
     max_n: the most choices (`n`) one request may ask for; each is an engine
       request of its own, admitted and charged as such.
+    otlp_traces_endpoint: where request traces go (OTLP; None: no tracing,
+      no cost).
+    request_log / log_prompts: one JSON line per finished request on the
+      `kvserve.requests` logger; with log_prompts, its prompt and output text.
     """
 
     host: str = "127.0.0.1"
@@ -176,6 +180,9 @@ class ServerConfig:
     warm_up: bool = True
     auth_metrics_and_docs: bool = False
     max_n: int = 8
+    otlp_traces_endpoint: str | None = None
+    request_log: bool = False
+    log_prompts: bool = False
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, f"port must be in 0..65535, got {self.port}")

@@ -47,7 +47,7 @@ from kvserve.engine.core import EngineCore
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.speculative import SpecDecodeCounts
 from kvserve.engine.warm_up import MeasuredStep, warm_up
-from kvserve.scheduler.scheduler import SchedulerStats
+from kvserve.scheduler.scheduler import SchedulerOutput, SchedulerStats
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,9 @@ class Finished:
     tenant: str = "default"
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served
     num_preemptions: int = 0
+    # The request's own lists (not copies), for a request log that shows text.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -128,9 +131,14 @@ class AsyncEngine:
     streams on the event loop."""
 
     def __init__(self, core: EngineCore, admission: AdmissionLoop | None = None,
-                 on_step: Callable[[StepReport], None] | None = None) -> None:
+                 on_step: Callable[[StepReport], None] | None = None,
+                 on_scheduled: Callable[[SchedulerOutput], None] | None = None) -> None:
+        """on_step: each step's report, on the event loop. on_scheduled: each
+        step's batch, on the engine thread right after the step (tracing's
+        prefill chunks); None costs nothing."""
         self.core = core
         self.admission = admission
+        self._on_scheduled = on_scheduled
         self.admission_lock = threading.RLock()
         self._on_step = on_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -274,6 +282,8 @@ class AsyncEngine:
         started_s = clock()
         result = self.core.step()
         step_s = clock() - started_s
+        if self._on_scheduled is not None:
+            self._on_scheduled(result.scheduled)
         # Requests that outgrew the whole cache ended while the step was
         # scheduled: they end first, as in a simulated replica.
         outgrown = {r.request_id for r in result.scheduled.finished}
@@ -380,7 +390,8 @@ class AsyncEngine:
         return Finished(output.request_id, finish_reason, len(output.token_ids), output.timestamps, abort_reason,
                         num_prompt_tokens=len(output.prompt_token_ids), priority=request.priority,
                         tenant=request.tenant, num_cached_tokens=request.num_cached_tokens,
-                        num_preemptions=request.num_preemptions)
+                        num_preemptions=request.num_preemptions, prompt_token_ids=output.prompt_token_ids,
+                        output_token_ids=output.token_ids)
 
     def _admission_finished(self, request_id: str, num_tokens: int | None) -> None:
         if self.admission is not None:

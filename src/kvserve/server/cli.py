@@ -31,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     simulated.add_arguments(parser)
     _add_http_arguments(parser.add_argument_group("HTTP"))
+    _add_observability_arguments(parser.add_argument_group("observability"))
     flags.add_admission_arguments(parser.add_argument_group("admission (the promise)"))
 
 
@@ -68,12 +69,26 @@ def _add_http_arguments(http: flags.ArgumentTarget) -> None:
                       help="server log level")
 
 
+def _add_observability_arguments(group) -> None:
+    group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="send one OpenTelemetry trace per request (queue, prefill, decode spans) to "
+                            "this OTLP endpoint, over OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (grpc, the "
+                            "default, or http/protobuf); off by default (no cost). Needs kvserve[tracing]")
+    group.add_argument("--request-log", action="store_true",
+                       help="log one JSON line per finished request (logger kvserve.requests, INFO): ids, "
+                            "tenant, priority, tokens, how it ended, latencies; no text")
+    group.add_argument("--log-prompts", action="store_true",
+                       help="with --request-log, include the prompt and output text (may be personal data)")
+
+
 def configs(args: argparse.Namespace, served_model_name: str) -> tuple[AdmissionConfig, ServerConfig]:
     server = ServerConfig(
         host=args.host, port=args.port, served_model_name=served_model_name, api_keys_path=args.api_keys,
         stream_stall_timeout_s=args.stream_stall_timeout, shutdown_grace_s=args.shutdown_grace,
         max_body_bytes=args.max_body_bytes, warm_up=args.warm_up,
-        auth_metrics_and_docs=args.auth_metrics_and_docs, max_n=args.max_n)
+        auth_metrics_and_docs=args.auth_metrics_and_docs, max_n=args.max_n,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        request_log=args.request_log or args.log_prompts, log_prompts=args.log_prompts)
     return flags.admission_config(args), server
 
 

@@ -15,10 +15,12 @@ status code, streaming or not. Every response carries the versions that ran.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -32,6 +34,7 @@ from kvserve.contract import InvalidParameter, ResolvedVersions
 from kvserve.engine.async_engine import AsyncEngine, Finished, StepReport
 from kvserve.engine.core import EngineCore
 from kvserve.metrics import ServerMetrics
+from kvserve.request_log import RequestLog
 from kvserve.server import protocol, streaming
 from kvserve.server.errors import APIError, bad_request, ended_without_output, rejection
 from kvserve.server.prepare import Kind, ModelLimits, PreparedRequest, RequestClass, RequestPreparer
@@ -42,7 +45,13 @@ from kvserve.server.tenants import Tenant, TenantDirectory
 from kvserve.server.transport import reader_stalled
 from kvserve.startup import StartupPhases
 
+if TYPE_CHECKING:
+    from kvserve.tracing import RequestTracer
+
 log = logging.getLogger(__name__)
+# The headers of the request being prepared, for the span of a request
+# refused before it is tokenized (set only with tracing on).
+_TRACED_HEADERS: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar("traced_headers", default={})
 
 CLIENT_ABORTS = {"disconnect", "stalled"}
 # Measured warm-up steps: admission fits the step time from MIN_FIT_STEPS
@@ -55,7 +64,9 @@ class Serving:
 
     def __init__(self, core: EngineCore, admission_config: AdmissionConfig, server_config: ServerConfig,
                  tenants: TenantDirectory | None = None, clock: Callable[[], float] = time.monotonic,
-                 versions: ResolvedVersions | None = None) -> None:
+                 versions: ResolvedVersions | None = None, tracer: "RequestTracer | None" = None) -> None:
+        """tracer: where request spans go (default: OTLP to the config's
+        endpoint, or none: no cost)."""
         self.core = core
         self.config = server_config
         self.admission_config = admission_config
@@ -78,7 +89,11 @@ class Serving:
         self.metrics.record_memory(core.memory_bytes)
         self.metrics.record_cache_config(core.config.block_size, core.num_kv_blocks, core.config.enable_prefix_caching,
                                          core.config.dtype, core.memory_bytes()["kv_cache"])
-        self.engine = AsyncEngine(core, self.admission, on_step=self._on_step)
+        self.tracer = tracer if tracer is not None else _otlp_tracer(server_config, self.versions, clock)
+        self.request_log = RequestLog(self.model_name, self.tokenizer.decode, server_config.log_prompts) \
+            if server_config.request_log else None
+        self.engine = AsyncEngine(core, self.admission, on_step=self._on_step,
+                                  on_scheduled=None if self.tracer is None else self.tracer.on_scheduled)
         self.preparer = RequestPreparer(
             self.tokenizer, ModelLimits(self.model_name, self.vocab_size, self.max_model_len), admission_config,
             self._fits_cache, self._refuse_early, clock, self.versions, server_config.max_n)
@@ -139,6 +154,8 @@ class Serving:
 
     async def stop(self) -> None:
         await self.engine.stop()
+        if self.tracer is not None:
+            self.tracer.shutdown()
 
     @property
     def ready(self) -> bool:
@@ -220,6 +237,10 @@ class Serving:
                                          done.finish_reason, cancelled, done.priority, done.tenant)
         else:  # the engine refused or failed it after admission
             self.metrics.record_slo_result("aborted", done.priority, done.tenant)
+        if self.tracer is not None:
+            self.tracer.finished(done, self.clock())
+        if self.request_log is not None:
+            self.request_log.finished(done)
 
     # ---- requests ----------------------------------------------------------
 
@@ -233,12 +254,14 @@ class Serving:
     async def create(self, kind: Kind, body, tenant: Tenant, headers, http_request):
         """Serve one /v1/completions or /v1/chat/completions request."""
         self._refuse_if_unavailable()
+        if self.tracer is not None:
+            _TRACED_HEADERS.set(headers)
         prepared = self.preparer.prepare(kind, body, tenant, headers)
         await self._compile_constraint(prepared)
         choices: list[Choice] = []
         watcher = asyncio.create_task(self._abort_on_disconnect(http_request, choices))
         try:
-            decision = await self._start_choices(prepared, choices)
+            decision = await self._start_choices(prepared, choices, headers)
         except BaseException as exc:
             watcher.cancel()
             self._abort(choices, "choice_refused" if isinstance(exc, APIError) else "disconnect")
@@ -271,7 +294,8 @@ class Serving:
             message = str(exc).removeprefix(f"{exc.param} ")
             raise APIError(400, f"{param}: {message}", code="invalid_structured_output", param=param) from None
 
-    async def _start_choices(self, p: PreparedRequest, choices: list[Choice]) -> AdmissionDecision | None:
+    async def _start_choices(self, p: PreparedRequest, choices: list[Choice],
+                             headers: Mapping[str, str]) -> AdmissionDecision | None:
         """Admit and start every choice, each an engine request of its own
         (appended to `choices` as it is added). The first goes alone, the
         others once it has its first token: its prompt's full blocks are
@@ -279,10 +303,10 @@ class Serving:
         hit, so it charges their outputs and the prompt once). Any choice
         refused refuses the response. Returns the first choice's decision
         (None only when the engine failed before deciding)."""
-        decision = await self._first_output(self._add_choice(p, 0, choices), p)
+        decision = await self._first_output(self._add_choice(p, 0, choices), p, headers)
         others = [self._add_choice(p, i, choices) for i in range(1, p.num_choices)]
         for choice in others:
-            await self._first_output(choice, p)
+            await self._first_output(choice, p, headers)
         return decision
 
     def _add_choice(self, p: PreparedRequest, index: int, choices: list[Choice]) -> Choice:
@@ -299,7 +323,8 @@ class Serving:
         choices.append(choice)
         return choice
 
-    async def _first_output(self, choice: Choice, p: PreparedRequest) -> AdmissionDecision | None:
+    async def _first_output(self, choice: Choice, p: PreparedRequest,
+                            headers: Mapping[str, str]) -> AdmissionDecision | None:
         """Wait for a choice's admission decision and its first output (kept
         in `choice.pending`); raises the APIError of one that was refused or
         ended before its first token."""
@@ -307,6 +332,8 @@ class Serving:
         decision = first if isinstance(first, AdmissionDecision) else None
         if decision is not None:
             self.metrics.record_admission(decision.outcome, decision.reason)
+            if self.tracer is not None:
+                self._trace_decision(p, choice.request_id, decision, headers)
             if not decision.admitted:
                 raise rejection(decision)
             first = await choice.stream.next()
@@ -385,6 +412,10 @@ class Serving:
                                              request_class.deadline)
         if decision is not None:
             self.metrics.record_admission(decision.outcome, decision.reason)
+            if self.tracer is not None:
+                now = self.clock()
+                self.tracer.refused(_TRACED_HEADERS.get(), _admission(decision, 0), now, now,
+                                    {"kvserve.tenant": request_class.tenant, "kvserve.priority": request_class.priority})
             raise rejection(decision)
 
     def _ended_without_output(self, done: Finished, p: PreparedRequest) -> APIError:
@@ -395,6 +426,18 @@ class Serving:
             return ended_without_output(done)
         earliest_s = self._drain_left_s() if done.abort_reason == "shutdown" else None
         return ended_without_output(done, self._retry_after_s(earliest_s, p.priority, p.tenant.name))
+
+    def _trace_decision(self, p: PreparedRequest, request_id: str, decision: AdmissionDecision,
+                        headers: Mapping[str, str]) -> None:
+        """A choice's decision to its trace: each choice is an engine request
+        with a span of its own, under the client's traceparent."""
+        admission = _admission(decision, p.params.max_tokens)
+        if decision.admitted:
+            self.tracer.admitted(request_id, headers, admission)
+            return
+        self.tracer.refused(headers, admission, p.arrival, self.clock(), {
+            "gen_ai.request.id": request_id, "kvserve.tenant": p.tenant.name, "kvserve.priority": p.priority,
+            "gen_ai.usage.prompt_tokens": p.num_prompt_tokens})
 
     def _fits_cache(self, num_prompt_tokens: int, max_tokens: int) -> bool:
         controller = self.admission.controller
@@ -439,6 +482,25 @@ class Serving:
         """A stream's reader went away before its end: abort, saying whether
         it stalled (the transport's stall clock) or disconnected."""
         self._abort(choices, "stalled" if reader_stalled(getattr(http_request, "scope", None)) else "disconnect")
+
+
+def _admission(decision: AdmissionDecision, max_tokens: int):
+    from kvserve.tracing import Admission  # only with tracing on
+
+    return Admission(str(decision.outcome), None if decision.reason is None else str(decision.reason),
+                     decision.max_tokens or max_tokens)
+
+
+def _otlp_tracer(config: ServerConfig, versions: ResolvedVersions, clock: Callable[[], float]):
+    """The OTLP tracer of --otlp-traces-endpoint, or None (tracing off)."""
+    if config.otlp_traces_endpoint is None:
+        return None
+    try:
+        from kvserve.tracing import RequestTracer
+    except ImportError as exc:
+        raise ValueError(f"--otlp-traces-endpoint needs OpenTelemetry (pip install 'kvserve[tracing]'): "
+                         f"{exc}") from None
+    return RequestTracer.to_otlp(config.otlp_traces_endpoint, versions, config.served_model_name, clock)
 
 
 async def _load_streaming_backend() -> None:

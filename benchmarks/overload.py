@@ -11,6 +11,10 @@
    TTFT and TPOT of admitted requests, and the share refused.
 3. --compare-no-admission: the same rates against a server whose admission
    is opened up (no queue-wait limit, no queue bound), to show the collapse.
+4. --compare-tracing: the same rates with request tracing off and on
+   (`--otlp-traces-endpoint` to an OTLP/HTTP sink in this process that
+   counts what it receives), alternating for --rounds rounds, side by side;
+   JSON to benchmarks/results/overload_tracing.json.
 
 Latencies use kvserve.latency (the one definition). Token times come from
 per-token logprobs in the stream (logprobs=0), so they are exact. The client
@@ -27,7 +31,9 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import aiohttp
@@ -264,6 +270,85 @@ def engine_overhead(args, model: str) -> dict:
     return out
 
 
+class OTLPSink:
+    """An OTLP/HTTP trace endpoint that accepts every export and counts the
+    requests and bytes (the spans are not decoded): what a collector costs
+    the server is its export, not the collector's work."""
+
+    def __init__(self) -> None:
+        sink = self
+        self.num_exports = 0
+        self.num_bytes = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's name)
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                sink.num_exports += 1
+                sink.num_bytes += len(body)
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def compare_tracing(args, model: str, serve_args: list[str]) -> dict:
+    """Tracing off and on, alternating rounds, one server per side and round;
+    the capacity is measured once, on the first server (tracing off)."""
+    sink = OTLPSink()
+    os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+    sides = {"tracing off": [], "tracing on": ["--otlp-traces-endpoint", sink.url]}
+    report: dict = {"rounds": [], "capacity_per_s": None}
+    try:
+        for round_index in range(args.rounds):
+            for label, extra in sides.items():
+                port = free_port()
+                proc = spawn_server(model, port, serve_args + extra)
+                try:
+                    url = f"http://127.0.0.1:{port}/v1/completions"
+                    if report["capacity_per_s"] is None:
+                        report["capacity_per_s"] = asyncio.run(measure_capacity(args, url))
+                        print(f"capacity: {report['capacity_per_s']:.2f} requests/s")
+                    exports_before = sink.num_exports
+                    rows = sweep(args, url, report["capacity_per_s"])
+                finally:
+                    stop_server(proc)  # its last spans are exported on shutdown
+                report["rounds"].append({"round": round_index, "side": label, "rows": rows,
+                                         "otlp_exports": sink.num_exports - exports_before})
+                print_table(f"round {round_index}: {label}", rows)
+    finally:
+        sink.close()
+    report["otlp_bytes"] = sink.num_bytes
+    report["goodput"] = _goodput_by_side(report["rounds"], args.rates)
+    for multiple, by_side in report["goodput"].items():
+        off, on = by_side["tracing off"], by_side["tracing on"]
+        diff = (on - off) / off if off else float("nan")
+        print(f"{multiple}x capacity: mean goodput off {off:.3f}/s, on {on:.3f}/s ({diff:+.1%})")
+    return report
+
+
+def _goodput_by_side(rounds: list[dict], multiples: list[float]) -> dict:
+    """Mean goodput per rate multiple and side over the rounds."""
+    out: dict = {}
+    for multiple in multiples:
+        out[str(multiple)] = {}
+        for side in ("tracing off", "tracing on"):
+            values = [row["goodput_per_s"] for r in rounds if r["side"] == side
+                      for row in r["rows"] if row["multiple"] == multiple]
+            out[str(multiple)][side] = sum(values) / len(values)
+    return out
+
+
 def _thread_args(args) -> list[str]:
     out = [] if args.torch_threads is None else ["--torch-threads", str(args.torch_threads)]
     return out + ([] if args.gil_switch_interval is None else ["--gil-switch-interval", str(args.gil_switch_interval)])
@@ -288,6 +373,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pause-s", type=float, default=1.0, help="pause between rates (seconds)")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT target (seconds)")
     p.add_argument("--tpot-slo", type=float, default=0.1, help="TPOT target (seconds)")
+    p.add_argument("--compare-tracing", action="store_true",
+                   help="the same rates with request tracing off and on (an OTLP/HTTP sink here), side by side")
+    p.add_argument("--rounds", type=int, default=2, help="--compare-tracing: off/on rounds, alternating")
     p.add_argument("--compare-no-admission", action="store_true",
                    help="also run the rates >= 1x against a server with admission opened up")
     p.add_argument("--torch-threads", type=int, default=None,
@@ -308,6 +396,13 @@ def main() -> int:
         model = args.model
         if args.base_url is None and model == "random":
             model = str(random_model_folder(Path(tmp) / "model", args.hidden, args.layers))
+        if args.compare_tracing:
+            result = compare_tracing(args, model, serve_args)
+            out = RESULTS.with_name("overload_tracing.json")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"args": report["args"], **result}, indent=2))
+            print(f"\nwrote {out.relative_to(ROOT)}")
+            return 0
         if args.engine_overhead:
             result = engine_overhead(args, model)
             out = RESULTS.with_name("engine_overhead.json")

@@ -149,3 +149,17 @@ def test_closed_loop_duration_stops_sending(server, tmp_path):
     # Decided inside the duration (sent a moment later on a loaded machine).
     assert all(0 <= r["scheduled_s"] < 0.5 for r in requests)
     assert all(r["sent_s"] >= r["scheduled_s"] for r in requests)
+
+
+def test_progress_into_a_log_prints_whole_lines(server, tmp_path, capsys, monkeypatch):
+    from kvserve.bench import client
+
+    monkeypatch.setattr(client, "PROGRESS_LOG_PERIOD_S", 0.05)
+    rc = cli.main(["bench", "--base-url", server.base_url + "/v1", "--model", "fake", "--out", str(tmp_path),
+                   "--metrics-interval", "0.2", "--workload", "short", "--rate", "20", "--num-requests", "10"])
+    assert rc == 0
+    err = capsys.readouterr().err  # captured: not a terminal
+    lines = [line for line in err.splitlines() if " in flight, " in line]
+    assert len(lines) >= 3, err
+    assert "\r" not in err
+    assert lines[-1].startswith("[##############################] 10/10 done")

@@ -508,7 +508,7 @@ async def run_load(config: ClientConfig, specs: Sequence[RequestSpec] | Iterable
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
         if config.progress:
-            _print_progress(client, total, final=True)
+            _print_progress(client, total, final=True, redraw=sys.stderr.isatty())
         if config.scrape_metrics and scraper.available:
             await scraper.scrape_into(samples)
     records = sorted(client.records, key=lambda r: r.index)
@@ -528,22 +528,29 @@ def _client_stats(client: LoadClient, records: Sequence[RequestRecord]) -> dict:
             "retries": client.budget.retries, "warnings": warnings}
 
 
-def _print_progress(client: LoadClient, total: int | None, final: bool = False) -> None:
+# Progress on a terminal redraws one line; into a file or a CI log it prints
+# a whole line this often instead of carriage returns.
+PROGRESS_TTY_PERIOD_S = 0.5
+PROGRESS_LOG_PERIOD_S = 5.0
+
+
+def _print_progress(client: LoadClient, total: int | None, final: bool = False,
+                    redraw: bool = True) -> None:
     done = len(client.records)
     width = 30
     filled = int(width * done / total) if total else width
     bar = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}" if total else f"{done}"
     failed = sum(r.outcome != "success" for r in client.records)
-    sys.stderr.write(f"\r{bar} done, "
-                     f"{client.in_flight} in flight, {failed} not successful, "
-                     f"{client.now():.1f} s" + ("\n" if final else ""))
+    line = f"{bar} done, {client.in_flight} in flight, {failed} not successful, {client.now():.1f} s"
+    sys.stderr.write(f"\r{line}" + ("\n" if final else "") if redraw else line + "\n")
     sys.stderr.flush()
 
 
 async def _progress(client: LoadClient, total: int | None) -> None:
+    redraw = sys.stderr.isatty()
     while True:
-        _print_progress(client, total)
-        await asyncio.sleep(0.5)
+        _print_progress(client, total, redraw=redraw)
+        await asyncio.sleep(PROGRESS_TTY_PERIOD_S if redraw else PROGRESS_LOG_PERIOD_S)
 
 
 # --- server metrics --------------------------------------------------------------

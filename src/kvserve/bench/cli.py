@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvserve.bench.arrivals import ArrivalSpec, arrival_offsets, parse_arrival
+from kvserve.bench.capacity import ResourceMeter, per_unit, startup_summary, task_summary
 from kvserve.bench.client import ClientConfig, run_load, run_sync
 from kvserve.bench.prompts import PromptBuilder, load_tokenizer
 from kvserve.bench.report import SLO, build_report, format_table, parse_slo, write_report
@@ -57,6 +58,9 @@ def _target_arguments(target) -> None:
                         help="extra argument for the spawned `kvserve serve` (repeatable)")
     target.add_argument("--spawn-timeout", type=float, default=300.0,
                         help="seconds to wait for the spawned server's GET /ready")
+    target.add_argument("--server-pid", type=int, default=None,
+                        help="pid of the server process (on this machine) whose CPU use the report "
+                             "states; --spawn knows its own")
     # Read from the environment only at run time, so --help never prints a key.
     target.add_argument("--api-key", default=None,
                         help="API key for every request (Authorization: Bearer); "
@@ -139,6 +143,13 @@ def add_judgement_arguments(judge) -> None:
                             "(0.5s, 0.03s) | 'ttft=S,tpot=S[,e2e=S][,p=99]' (seconds)")
     judge.add_argument("--price-per-hour", type=float, default=None,
                        help="price of the serving hardware per hour (any currency) for cost fields")
+    judge.add_argument("--watts", type=float, default=None,
+                       help="power of the serving hardware (watts) for the energy figures where no RAPL "
+                            "counter is readable")
+    judge.add_argument("--task-size", type=int, default=None,
+                       help="requests per task (consecutive indexes, e.g. the turns of a conversation): "
+                            "a task succeeds when all of its requests do; the report states cost and "
+                            "energy per successful task")
     judge.add_argument("--out", default="bench-out", help="output directory")
     judge.add_argument("--sweep", action="store_true",
                        help="capacity search on --arrival's rate (default poisson) instead of one run")
@@ -166,11 +177,11 @@ def run(args: argparse.Namespace) -> int:
         validate_args(args)
         builder = _prompt_builder(args)
         plan = None if args.sweep else plan_requests(args, args.rate)
-        with _server(args) as base_url:
-            config = _client_config(args, base_url)
+        with _server(args) as server:
+            config = _client_config(args, server.base_url)
             if args.sweep:
-                return _run_sweep(args, config, builder, slo)
-            report = _run_once(args, config, builder, slo, plan, Path(args.out))
+                return _run_sweep(args, config, builder, slo, server)
+            report = _run_once(args, config, builder, slo, plan, Path(args.out), server)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"kvserve bench: error: {exc}", file=sys.stderr)
         return 2
@@ -280,9 +291,12 @@ def plan_requests(args: argparse.Namespace, rate_per_s: float) -> Plan:
 
 
 def _run_once(args: argparse.Namespace, config: ClientConfig, builder: PromptBuilder,
-              slo: SLO, plan: Plan, out_dir: Path) -> dict:
+              slo: SLO, plan: Plan, out_dir: Path, server: "Target") -> dict:
+    meter = ResourceMeter(server.pid if server.pid is not None else args.server_pid, args.watts)
+    meter.start()
     result = run_sync(run_load(config, plan.specs, builder.build, plan.offsets_s,
                                   plan.concurrency, plan.duration_s))
+    resources = meter.stop()
     run_config = {k: v for k, v in vars(args).items() if k != "api_key" and k != "api_keys"}
     run_config.update(base_url=config.base_url, model=config.model,
                       arrival=plan.arrival.__dict__ if plan.arrival else None,
@@ -292,8 +306,20 @@ def _run_once(args: argparse.Namespace, config: ClientConfig, builder: PromptBui
     report = build_report(result.records, slo, price_per_hour=args.price_per_hour,
                           metrics_samples=result.metrics_samples, config=run_config,
                           client_stats=result.client_stats)
+    add_capacity_sections(report, result.records, slo, args.task_size, resources, server.time_to_ready_s)
     write_report(report, out_dir)
     return report
+
+
+def add_capacity_sections(report: dict, records, slo: SLO, task_size: int | None, resources: dict | None,
+                          time_to_ready_s: float | None) -> None:
+    """report.json's resources, tasks, per-unit cost and energy, and startup
+    sections (bench/capacity.py); simulate adds the same."""
+    tasks = task_summary(records, task_size, slo) if task_size else None
+    report["resources"] = resources
+    report["tasks"] = tasks
+    report["per_unit"] = per_unit(report["summary"], resources, tasks)
+    report["startup"] = startup_summary(records, time_to_ready_s)
 
 
 def jsonable(value):
@@ -301,12 +327,12 @@ def jsonable(value):
 
 
 def _run_sweep(args: argparse.Namespace, config: ClientConfig, builder: PromptBuilder,
-               slo: SLO) -> int:
+               slo: SLO, server: "Target") -> int:
     out = Path(args.out)
 
     def run_at(rate: float) -> dict:
         print(f"--- rate {rate:.3g} req/s", file=sys.stderr)
-        return _run_once(args, config, builder, slo, plan_requests(args, rate), out / f"rate_{rate:.4g}")
+        return _run_once(args, config, builder, slo, plan_requests(args, rate), out / f"rate_{rate:.4g}", server)
 
     run_sweep_to_dir(run_at, out, slo.name, args.sweep_start_rate, args.sweep_max_runs,
                      args.sweep_tolerance)
@@ -322,20 +348,31 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Target:
+    """The server a run measures: its URL and, when this run started it, its
+    pid and how long it took to become ready (a cold start)."""
+
+    base_url: str
+    pid: int | None = None
+    time_to_ready_s: float | None = None
+
+
 @contextmanager
 def _server(args: argparse.Namespace):
-    """Yields the base URL; with --spawn, of a `kvserve serve` started here."""
+    """Yields the Target; with --spawn, a `kvserve serve` started here."""
     if not args.spawn:
-        yield args.base_url
+        yield Target(args.base_url)
         return
     port = free_port()
     command = [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1",
                "--port", str(port), *args.spawn_arg]
     print(f"spawning: {' '.join(command)}", file=sys.stderr)
+    started = time.monotonic()
     process = subprocess.Popen(command)
     try:
         wait_ready(f"http://127.0.0.1:{port}", process, args.spawn_timeout)
-        yield f"http://127.0.0.1:{port}"
+        yield Target(f"http://127.0.0.1:{port}", process.pid, time.monotonic() - started)
     finally:
         process.terminate()
         try:

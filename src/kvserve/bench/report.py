@@ -133,14 +133,19 @@ class MetricsSample:
 
 # --- per-request derivation --------------------------------------------------
 
-def _latency(record: RequestRecord):
-    """Latencies without the per-token ITL list: summaries pool `itl_runs`."""
+def record_latency(record: RequestRecord):
+    """A record's latencies without the per-token ITL list (summaries pool
+    `itl_runs`); None if it was never sent."""
     if record.sent_s is None:
         return None
     return derive_latency(record.sent_s, record.token_events, record.end_s, None, with_itl=False)
 
 
-def _is_good(record: RequestRecord, latency, slo: SLO | None) -> bool:
+_latency = record_latency
+
+
+def is_good(record: RequestRecord, latency, slo: SLO | None) -> bool:
+    """Succeeded inside the SLO (`latency`: record_latency(record))."""
     if record.outcome != "success" or latency is None or slo is None:
         return False
     return (latency.ttft_s is not None and latency.ttft_s <= slo.ttft_s
@@ -171,7 +176,7 @@ def _summary_without_cost(records: Sequence[RequestRecord], duration_s: float, s
         if r.outcome == "rejected":
             key = r.reject_reason or f"http_{r.status_code}"
             reasons[key] = reasons.get(key, 0) + 1
-    num_good = sum(_is_good(r, lat, slo) for r, lat in zip(records, latencies))
+    num_good = sum(is_good(r, lat, slo) for r, lat in zip(records, latencies))
     judged = len(records) - outcomes["cancelled"]
     output_tokens = sum(r.output_tokens for r, _ in ok)
     duration_s = max(duration_s, 1e-9)
@@ -471,6 +476,7 @@ def format_table(report: dict) -> str:
     spec = report.get("server_metrics", {}).get("spec_decode")
     if spec is not None:
         lines.append(_spec_decode_line(spec, s["tpot"]))
+    lines += _capacity_lines(report)
     server = report.get("server_metrics", {}).get("series", {})
     for name, points in server.items():
         values = [v for _, v in points]
@@ -484,6 +490,29 @@ def _spec_decode_line(spec: dict, tpot: dict) -> str:
     return (f"server speculative decoding: {spec['num_drafts']:.0f} drafts, acceptance "
             f"{_pct(spec['acceptance_rate'])}, {_num(spec['mean_accepted_length'])} tokens per verifying step, "
             f"by position [{by_position}]; client TPOT p50 {_ms(tpot['p50'])} ms, p99 {_ms(tpot['p99'])} ms")
+
+
+def _capacity_lines(report: dict) -> list[str]:
+    """Resources, tasks, per-unit cost and energy, startup (bench/capacity.py), where present."""
+    lines = []
+    res, tasks, unit, startup = (report.get(k) for k in ("resources", "tasks", "per_unit", "startup"))
+    if res and (res.get("server_cpu_utilization") is not None or res.get("energy_j") is not None):
+        lines.append(f"server process: CPU {_num(res['server_cpu_utilization'])} cores busy on average, "
+                     f"GPU {_pct(res['gpu_utilization'])}; energy {_num(res['energy_j'])} J "
+                     f"({res['energy_source'] or 'not measured'})")
+    if tasks:
+        lines.append(f"tasks of {tasks['task_size']}: {tasks['successful_tasks']}/{tasks['num_tasks']} successful"
+                     + (f", {tasks['good_tasks']} inside the SLO" if tasks["good_tasks"] is not None else ""))
+    if unit and any(v is not None for v in unit.values()):
+        lines.append(f"per successful request: cost {_num(unit['cost_per_successful_request'])}, energy "
+                     f"{_num(unit['energy_per_successful_request_j'])} J; per successful task: cost "
+                     f"{_num(unit['cost_per_successful_task'])}, energy {_num(unit['energy_per_successful_task_j'])} J")
+    if startup:
+        first = ", ".join("-" if t is None else f"{t:.3f}" for t in startup["first_requests_ttft_s"])
+        ready = startup["time_to_ready_s"]
+        lines.append(f"startup: {'ready after ' + format(ready, '.1f') + ' s; ' if ready is not None else ''}"
+                     f"first requests' TTFT {first} s, later p50 {_num(startup['later_ttft']['p50'])} s")
+    return lines
 
 
 def _num(value: float | None) -> str:

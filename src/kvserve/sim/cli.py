@@ -273,8 +273,19 @@ def simulate_once(args: argparse.Namespace, config: SimConfig, cost_model: CostM
         run_config["simulation"]["requests_omitted"] = len(result.records) - len(result.records[::rows_every])
     price = args.price_per_hour if price_per_hour is None else price_per_hour
     report = build_report(result.records, slo, price_per_hour=price, config=run_config, rows_every=rows_every)
+    bench_cli.add_capacity_sections(report, result.records, slo, args.task_size,
+                                    _stated_energy(args.watts, config.num_replicas, result.duration_s), None)
     write_report(report, out_dir)
     return report
+
+
+def _stated_energy(watts_per_replica: float | None, num_replicas: int, duration_s: float) -> dict | None:
+    """A simulation has no counters: energy is --watts per replica x simulated time."""
+    if watts_per_replica is None:
+        return None
+    return {"wall_s": duration_s, "server_pid": None, "server_cpu_s": None, "server_cpu_utilization": None,
+            "gpu_utilization": None, "energy_j": watts_per_replica * num_replicas * duration_s,
+            "energy_source": f"stated {watts_per_replica:g} W per replica x {num_replicas}"}
 
 
 def _run_sweep(args: argparse.Namespace, config: SimConfig, cost_model: CostModel, slo: SLO) -> int:

@@ -175,3 +175,24 @@ def test_a_class_holding_every_request_gets_the_runs_summary_without_cost():
                                                   if k != "source"}}, sort_keys=True)
     # The classes' blocks are copies: the run's queue-time source is the run's alone.
     assert "source" in one_class["summary"]["queue_time"] and "source" not in one_class["by_tenant"]["a"]["queue_time"]
+
+
+def test_report_html_states_the_run_targets_outcomes_lengths_and_classes(tmp_path):
+    from kvserve.bench.plots import render_html
+    from kvserve.bench.report import SLO, RequestRecord, build_report
+
+    records = [RequestRecord(i, "success" if i % 4 else "rejected", float(i), float(i),
+                             token_events=((i + 0.2, 1), (i + 0.3, 1)) if i % 4 else (), end_s=i + 0.3,
+                             reject_reason=None if i % 4 else "kv_cache", tenant="alice" if i % 2 else "bob",
+                             priority=i % 3, prompt_tokens=10 + i, output_tokens=2 if i % 4 else 0,
+                             expected_output_tokens=5 + i)
+               for i in range(12)]
+    report = build_report(records, SLO(ttft_s=0.5, tpot_s=0.05, name="mine"),
+                          config={"workload": "chat", "arrival": {"kind": "poisson"}, "rate": 2.0,
+                                  "base_url": "http://x", "server_versions": {"x-kvserve-model-revision": "rev9"}})
+    page = render_html(report, "table")
+    assert "<th>workload</th><td>chat</td>" in page and "rev9" in page and "TTFT &lt;= 0.5 s" in page
+    assert page.count('class="target"') >= 4  # TTFT and TPOT targets on their CDFs and on the scatter
+    assert "outcomes by reason over time" in page and "rejected: kv_cache" in page
+    assert "prompt and output lengths sent" in page
+    assert 'class="by-tenant"' in page and "<td>alice</td>" in page and 'class="by-priority"' in page

@@ -234,6 +234,23 @@ def _api_keys(text: str | None) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+VERSION_HEADERS = ("x-kvserve-model-revision", "x-kvserve-tokenizer-hash", "x-kvserve-chat-template-hash",
+                   "server")
+
+
+def server_versions(root_url: str, api_key: str | None) -> dict[str, str]:
+    """The versions a server states on GET /v1/models (kvserve's version
+    headers; any server's `server` header); {} when it states none."""
+    request = urllib.request.Request(root_url + "/v1/models")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return {name: resp.headers[name] for name in VERSION_HEADERS if resp.headers.get(name)}
+    except (urllib.error.URLError, OSError, ValueError):
+        return {}
+
+
 def _first_model(root_url: str, api_key: str | None) -> str | None:
     request = urllib.request.Request(root_url + "/v1/models")
     if api_key:
@@ -299,6 +316,7 @@ def _run_once(args: argparse.Namespace, config: ClientConfig, builder: PromptBui
     resources = meter.stop()
     run_config = {k: v for k, v in vars(args).items() if k != "api_key" and k != "api_keys"}
     run_config.update(base_url=config.base_url, model=config.model,
+                      server_versions=server_versions(config.root_url, config.api_key),
                       arrival=plan.arrival.__dict__ if plan.arrival else None,
                       exact_prompt_lengths=builder.exact,
                       wall_start_unix_s=result.wall_start_unix_s)

@@ -69,6 +69,11 @@ class _ReplicaCore:
     def stats(self):
         return self.scheduler.stats()
 
+    def context_lengths(self):
+        return self.scheduler.context_lengths()
+
+    num_deferred = 0  # no grammars here
+
     def prefix_hit_tokens(self, request: Request) -> int:
         return self.scheduler.prefix_hit_tokens(request)
 

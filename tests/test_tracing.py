@@ -26,10 +26,11 @@ CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
 
 
-def _traced_server(exporter: InMemorySpanExporter, **server_fields) -> LiveServer:
+def _traced_server(exporter: InMemorySpanExporter, admission: AdmissionConfig | None = None,
+                   **server_fields) -> LiveServer:
     core = tiny_core(num_blocks=16, max_num_batched_tokens=16, max_model_len=512)
     tracer = RequestTracer(exporter, core.versions, MODEL_NAME, span_processor=SimpleSpanProcessor(exporter))
-    serving = Serving(core, AdmissionConfig(), ServerConfig(served_model_name=MODEL_NAME, **server_fields),
+    serving = Serving(core, admission or AdmissionConfig(), ServerConfig(served_model_name=MODEL_NAME, **server_fields),
                       tracer=tracer)
     return LiveServer(serving)
 
@@ -80,6 +81,22 @@ def test_a_refused_request_has_a_span_with_its_outcome():
     assert span.attributes["kvserve.admission.reason"] == "never_fits"
     assert span.attributes["gen_ai.usage.prompt_tokens"] == 3
     assert span.status.status_code.name == "ERROR"
+
+
+def test_a_request_refused_before_tokenizing_keeps_the_clients_parent():
+    exporter = InMemorySpanExporter()
+    traceparent = f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"
+    with _traced_server(exporter, AdmissionConfig(retry_budget=0.0, retry_budget_burst=1.0)) as srv, \
+            httpx.Client(base_url=srv.base_url, timeout=30) as http:
+        statuses = [http.post("/v1/completions", headers={"traceparent": traceparent, "x-kvserve-retry": "1"},
+                              json={"model": MODEL_NAME, "prompt": "again", "max_tokens": 2}) for _ in range(2)]
+        assert [r.status_code for r in statuses] == [200, 429]  # the budget held one retry
+        assert statuses[1].json()["error"]["code"] == "retry_budget"
+        assert wait_until(lambda: len(_requests(exporter)) == 2)
+    (span,) = [s for s in _requests(exporter) if s.attributes["kvserve.admission.outcome"] == "reject"]
+    assert span.attributes["kvserve.admission.reason"] == "retry_budget"
+    assert format(span.context.trace_id, "032x") == CLIENT_TRACE_ID
+    assert format(span.parent.span_id, "016x") == CLIENT_SPAN_ID
 
 
 def test_the_clients_traceparent_becomes_the_parent():

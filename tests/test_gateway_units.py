@@ -133,8 +133,10 @@ def test_circuit_breaker_opens_probes_and_closes():
 
 
 def test_view_reads_a_kvserve_metrics_page_and_counts_its_own_sends():
+    from kvserve.scheduler.scheduler import SchedulerStats
+
     metrics = ServerMetrics("tiny", 2.0, 0.1)
-    metrics.record_stats(3, 2, 0.5, 0, 100, 40)
+    metrics.record_stats(SchedulerStats(3, 2, 0, 0.5, 100, 40, 0, 0, 0))
     metrics.running_cap.set(4)
     scrape = parse_metrics(metrics.render().decode())
     assert (scrape.num_running, scrape.num_waiting, scrape.kv_usage, scrape.running_cap) == (3, 2, 0.5, 4)

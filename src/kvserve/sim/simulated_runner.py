@@ -59,6 +59,11 @@ class SimulatedRunner:
         self._last_end_s: float | None = None
         self.busy_s = 0.0  # modelled step time so far
 
+    @staticmethod
+    def memory_bytes() -> dict[str, int]:
+        """Nothing is resident: a simulated replica holds no weights and no KV tensor."""
+        return {"weights": 0, "kv_cache": 0, "workspace": 0}
+
     def execute(self, scheduler_output, sampling_states=None) -> SampledTokens:
         """One step: sleep its modelled time, sample a word for each chunk
         that samples. sampling_states (the engine's per-request sampling:

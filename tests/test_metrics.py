@@ -96,8 +96,9 @@ def test_slo_counters_count_aborted_and_cancelled_requests_as_their_own_result()
     metrics.record_finished(never_started, 4, 0, "abort")
     text = metrics.render().decode()
     for slo in ("ttft", "tpot", "both"):
-        assert f'kvserve_slo_requests_total{{model_name="m",result="cancelled",slo="{slo}"}} 1.0' in text
-        assert f'kvserve_slo_requests_total{{model_name="m",result="aborted",slo="{slo}"}} 1.0' in text
+        for result in ("cancelled", "aborted"):
+            assert (f'kvserve_slo_requests_total{{model_name="m",priority="0",result="{result}",slo="{slo}",'
+                    'tenant="default"} 1.0') in text
     assert 'result="met"' not in text and 'result="missed"' not in text
 
 

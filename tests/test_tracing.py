@@ -103,13 +103,15 @@ def test_the_clients_traceparent_becomes_the_parent():
     exporter = InMemorySpanExporter()
     traceparent = f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"
     with _traced_server(exporter) as srv, httpx.Client(base_url=srv.base_url, timeout=30) as http:
-        assert http.post("/v1/chat/completions", headers={"traceparent": traceparent},
-                         json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
-                               "max_tokens": 2}).status_code == 200
-        assert http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": [5, 6],
-                                                  "max_tokens": 2}).status_code == 200
+        traced = http.post("/v1/chat/completions", headers={"traceparent": traceparent},
+                           json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+                                 "max_tokens": 2})
+        untraced = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": [5, 6], "max_tokens": 2})
+        assert traced.status_code == untraced.status_code == 200
         assert wait_until(lambda: len(_requests(exporter)) == 2)
-    with_parent, without = _requests(exporter)
+    # By request id: a response can come back before its request's span ends.
+    by_id = {s.attributes["gen_ai.request.id"]: s for s in _requests(exporter)}
+    with_parent, without = by_id[traced.json()["id"]], by_id[untraced.json()["id"]]
     assert format(with_parent.context.trace_id, "032x") == CLIENT_TRACE_ID
     assert format(with_parent.parent.span_id, "016x") == CLIENT_SPAN_ID and with_parent.parent.is_remote
     assert without.parent is None and format(without.context.trace_id, "032x") != CLIENT_TRACE_ID

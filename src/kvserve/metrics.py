@@ -200,8 +200,8 @@ class ServerMetrics:
         self.slo = self._counter("kvserve_slo_requests",
                                  "Every admitted request that ended, by target (ttft|tpot|both) and result: "
                                  "met, missed, cancelled (the client left), aborted (the server ended it "
-                                 "early: queue timeout, deadline, shutdown, engine error).",
-                                 f"By priority class (clamped to {PRIORITY_LABEL_RANGE}) and tenant.",
+                                 "early: queue timeout, deadline, shutdown, engine error); by priority "
+                                 f"class (clamped to {PRIORITY_LABEL_RANGE}) and tenant.",
                                  ["slo", "result", "priority", "tenant"])
         # Speculative decoding, as vLLM counts it: a draft is one request's
         # drafts verified in one step.

@@ -1,7 +1,7 @@
 """Request traces through a live server with an in-memory span exporter: one
 request span with queue, prefill (its chunks as events) and decode children
 in order; a refused request's span with its outcome; the client's W3C
-traceparent as the parent. And the request log line."""
+traceparent as the parent, also through `kvserve gateway`. And the request log line."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kvserve.config import AdmissionConfig, ServerConfig  # noqa: E402
 from kvserve.server.serving import Serving  # noqa: E402
 from kvserve.tracing import RequestTracer, otlp_exporter  # noqa: E402
+from tests.fleet_helpers import gateway, start_all  # noqa: E402
 from tests.load_helpers import wait_until  # noqa: E402
 from tests.server_helpers import MODEL_NAME, LiveServer, tiny_core  # noqa: E402
 
@@ -119,6 +120,23 @@ def test_the_clients_traceparent_becomes_the_parent():
     for span in exporter.get_finished_spans():
         if span.name != "llm_request":
             assert span.context.trace_id in (with_parent.context.trace_id, without.context.trace_id)
+
+
+def test_the_clients_traceparent_reaches_the_backend_through_the_gateway(tmp_path):
+    exporter = InMemorySpanExporter()
+    traceparent = f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"
+    with _traced_server(exporter) as backend:
+        (gw,) = start_all(gateway([backend.base_url], "--state-dir", str(tmp_path / "state")))
+        try:
+            r = httpx.post(gw.url + "/v1/completions", headers={"traceparent": traceparent}, timeout=60,
+                           json={"model": MODEL_NAME, "prompt": "through", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert wait_until(lambda: len(_requests(exporter)) == 1)
+        finally:
+            gw.stop()
+    (span,) = _requests(exporter)
+    assert format(span.context.trace_id, "032x") == CLIENT_TRACE_ID
+    assert format(span.parent.span_id, "016x") == CLIENT_SPAN_ID
 
 
 def test_the_request_log_line_has_no_text_unless_asked(caplog):

@@ -1,6 +1,7 @@
 """GET /dashboard in a real headless browser (Debian's chromium, which
 `make install` installs): the page renders, fetches /metrics itself, and the
-numbers it shows are the ones /metrics has."""
+numbers it shows are the ones /metrics has; through `kvserve gateway`, one
+such page per backend, drawn from that backend's /metrics."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 from kvserve.dashboard import dashboard_page
+from tests.fleet_helpers import gateway, start_all
 from tests.load_helpers import metric, scrape
 from tests.server_helpers import MODEL_NAME, live_server, tiny_core
 
@@ -102,6 +104,34 @@ def test_the_dashboard_renders_and_its_numbers_match_metrics():
     assert stats["running_context_count"] == 0  # nothing ran since the page's previous scrape
     assert page.admission[("admit", "none")] == 4
     assert page.admission[("reject", "never_fits")] == 1
+
+
+def test_the_gateway_draws_each_backends_dashboard_from_its_metrics(tmp_path):
+    with live_server(tiny_core(num_blocks=16, max_model_len=512)) as backend:
+        (gw,) = start_all(gateway([backend.base_url], "--state-dir", str(tmp_path / "state")))
+        try:
+            with httpx.Client(base_url=gw.url, timeout=30) as http:
+                for i in range(3):
+                    assert http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": f"hello {i}",
+                                                              "max_tokens": 3}).status_code == 200
+                index = http.get("/dashboard")
+                assert index.status_code == 200 and 'href="/dashboard/0"' in index.text
+                assert backend.base_url in index.text and "/dashboard/1" not in index.text
+                page = http.get("/dashboard/0")
+                assert page.status_code == 200 and '"metrics_url": "/dashboard/0/metrics"' in page.text
+                missing = http.get("/dashboard/1/metrics")
+                assert missing.status_code == 404 and missing.json()["error"]["code"] == "backend_not_found"
+                assert http.get("/dashboard/1").status_code == 404
+                assert http.get("/dashboard/0", params={"period_s": "0"}).status_code == 400
+                through = http.get("/dashboard/0/metrics")
+                assert through.status_code == 200 and "vllm:request_success_total" in through.text
+            rendered = _rendered(gw.url + "/dashboard/0?period_s=0.5")
+            direct = scrape(backend.base_url)
+        finally:
+            gw.stop()
+    assert rendered.scrapes >= 1, "the page never fetched its backend's metrics"
+    assert float(rendered.stats["requests_finished"]) == metric(direct, "vllm:request_success_total") == 3
+    assert float(rendered.stats["num_blocks"]) == 16
 
 
 def test_the_page_is_configured_without_breaking_its_script():

@@ -5,13 +5,16 @@ admission outcomes, TTFT/TPOT against the SLO, the running cap and step
 budget, the memory split, and preemptions, evictions and allocation failures.
 
 It reads only metric names that `/metrics` exports (kvserve/metrics.py), so
-the same page works against any server or gateway that exports them; the
-served numbers carry `data-stat` / `data-value` attributes so a headless
+the same page works against any server that exports them; `kvserve gateway`
+serves it per backend (`/dashboard/<i>`, drawn from that backend's
+`/metrics` fetched through the gateway) under an index of its backends
+(`fleet_index_page`). The served numbers carry `data-stat` / `data-value` attributes so a headless
 browser can check them against `/metrics`.
 """
 
 from __future__ import annotations
 
+import html
 import json
 from functools import cache
 from importlib import resources
@@ -35,3 +38,13 @@ def dashboard_page(metrics_url: str = "/metrics", period_s: float = 2.0, history
     config = json.dumps({"metrics_url": metrics_url, "period_s": period_s, "history": history})
     # Inside <script>: a "</" in a URL must not end the element.
     return page[:start] + config.replace("</", "<\\/") + page[end:]
+
+
+def fleet_index_page(backends: list[tuple[str, bool]]) -> str:
+    """The gateway's /dashboard: its backends (name, ready), each linking to
+    its dashboard at /dashboard/<index>."""
+    rows = "".join(f'<li><a href="/dashboard/{i}">{html.escape(name)}</a> {"ready" if ready else "not ready"}</li>'
+                   for i, (name, ready) in enumerate(backends))
+    return ("<!doctype html><html><head><meta charset=\"utf-8\"><title>kvserve gateway: dashboards</title>"
+            "</head><body><h1>kvserve gateway: one dashboard per backend</h1>"
+            f"<ul>{rows or '<li>no backends</li>'}</ul></body></html>")

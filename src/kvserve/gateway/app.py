@@ -1,5 +1,6 @@
 """The gateway's FastAPI app: the OpenAI front (completions, chat, models),
-health, readiness, metrics, and the Batch API subset; OpenAI-shaped errors.
+health, readiness, metrics, the dashboard per backend, and the Batch API
+subset; OpenAI-shaped errors.
 
 The completion routes take the raw body (the backend validates it, so bad
 input gets exactly a server's 4xx); their OpenAPI schema is still the
@@ -15,10 +16,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvserve.dashboard import dashboard_page, fleet_index_page
 from kvserve.gateway.batches import BatchError
 from kvserve.gateway.service import Gateway, GatewayError
 from kvserve.server import protocol
@@ -95,6 +97,29 @@ def _openai_routes(app: FastAPI, gateway: Gateway) -> None:
         from kvserve.metrics import CONTENT_TYPE_LATEST
 
         return Response(gateway.render_metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    _dashboard_routes(app, gateway)
+
+
+def _dashboard_routes(app: FastAPI, gateway: Gateway) -> None:
+    """The server's dashboard per backend (kvserve/dashboard.py), under an index."""
+
+    @app.get("/dashboard", response_class=HTMLResponse)
+    async def dashboards():
+        return HTMLResponse(fleet_index_page([(v.name, v.ready) for v in gateway.backend_list()]))
+
+    @app.get("/dashboard/{index}", response_class=HTMLResponse, responses=_ERRORS)
+    async def dashboard(index: int, period_s: float = 2.0):
+        gateway.backend_at(index)
+        if not 0.1 <= period_s <= 3600:
+            raise GatewayError(400, "period_s must be between 0.1 and 3600 seconds", param="period_s")
+        return HTMLResponse(dashboard_page(f"/dashboard/{index}/metrics", period_s))
+
+    @app.get("/dashboard/{index}/metrics", responses=_ERRORS)
+    async def backend_metrics(index: int):
+        from kvserve.metrics import CONTENT_TYPE_LATEST
+
+        return Response(await gateway.backend_metrics(index), media_type=CONTENT_TYPE_LATEST)
 
 
 def _completion_endpoint(gateway: Gateway, kind: str):

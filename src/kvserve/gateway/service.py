@@ -447,6 +447,36 @@ class Gateway:
         return response.status_code, content, None
 
     # ---- metrics ----------------------------------------------------------
+    def backend_list(self) -> list[BackendView]:
+        """Every backend, in configuration order: the dashboard's indexes."""
+        return list(self.views.values())
+
+    def backend_at(self, index: int) -> BackendView:
+        """Backend `index` of backend_list(); a 404 for no such backend."""
+        backends = self.backend_list()
+        if not 0 <= index < len(backends):
+            raise GatewayError(404, f"no backend {index} (the gateway has {len(backends)})", "not_found_error",
+                               "backend_not_found", "index")
+        return backends[index]
+
+    async def backend_metrics(self, index: int) -> bytes:
+        """Backend `index`'s /metrics now (its dashboard, drawn through the
+        gateway, polls this): a 502 when it does not answer."""
+        view = self.backend_at(index)
+        if self.session is None:
+            raise GatewayError(503, "the gateway is not started", "unavailable", "not_ready")
+        timeout = aiohttp.ClientTimeout(total=self.config.scrape_timeout_s)
+        try:
+            async with self.session.get(view.url + "/metrics", timeout=timeout) as response:
+                content = await response.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise GatewayError(502, f"backend {view.name}: {type(exc).__name__}: {exc}", "backend_error",
+                               "backend_failed") from None
+        if response.status != 200:
+            raise GatewayError(502, f"backend {view.name}: /metrics answered HTTP {response.status}",
+                               "backend_error", "backend_failed")
+        return content
+
     def render_metrics(self) -> bytes:
         stale = self.config.stale_after_s
         self.metrics.refresh(((p.label, p.views, len(p.eligible(stale))) for p in self.pools),

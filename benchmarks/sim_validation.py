@@ -16,14 +16,27 @@
    server shares it with its frontend and the bench client), both with the
    step jitter the profiles measured (`--step-jitter profile`, the median
    of --jitter-seeds realizations), and the profile as measured without it;
-3. prints the relative error of p50 / p99 TTFT and TPOT and of goodput
-   for each (target: 15% at p50, 25% at p99, for rates below saturation)
-   and writes OUT/validation.json. `--resimulate` redoes step 2's
-   simulations and step 3 against the live runs saved in OUT.
+3. prints the relative error of p50 / p99 TTFT and TPOT, of p99 queue
+   wait, of the requests served and of goodput for each, and the verdict
+   against issue 22's goal: every p50 / p99 TTFT and TPOT error within
+   --target (10%) in at least 4 of 5 repeated runs (--repeats; each repeat
+   its own seed), naming the rows that missed; writes OUT/validation.json.
+   `--resimulate` redoes step 2's simulations and step 3 against the live
+   runs saved in OUT.
+
+With --saturation, first the saturation rate itself: a fresh server (no
+prefix cache, as every run of a search must start equal) under `kvserve
+bench --sweep`, profiled before and after, against `kvserve simulate
+--sweep` on that bracketed profile: the error of the max sustainable rate
+and of the capacity at the SLO; the live max sustainable rate then joins
+the validated rates. `--arrival` (e.g. gamma:burstiness=0.25) and
+`--workload mixed` validate bursty mixed load, where the issue saw the
+simulated queue wait far past the live one.
 
 Bounded: the profile has a time budget and each rate sends --num-requests.
 
     python benchmarks/sim_validation.py --rates 0.25,0.5 --num-requests 16
+    python benchmarks/sim_validation.py --rates 0.5,1,1.5 --saturation --arrival gamma:burstiness=0.25 --repeats 5
 """
 
 from __future__ import annotations
@@ -66,8 +79,9 @@ def bracket(before: str, after: str, path: Path) -> str:
     """One fit over the steps timed just before and just after the bench
     run: the machine's speed during the run is bracketed, not guessed from
     one side of it."""
-    if before == after:
-        return before
+    if before == after:  # one profile (--profile): used as it is, under the name the simulations read
+        path.write_text(Path(before).read_text())
+        return str(path)
     from kvserve.sim.cost_model import StepShape, fit_linear_cost_model, profile_json
 
     docs = [json.loads(Path(p).read_text()) for p in (before, after)]
@@ -201,14 +215,19 @@ def relative_error(sim: float | None, real: float | None) -> float | None:
     return abs(sim - real) / abs(real)
 
 
-ROWS = tuple(f"{metric}_{q}" for metric, q in METRICS) + ("goodput",)
+# The goal's rows (within --target), then what explains a miss: the queue
+# wait, how many were served, goodput.
+LATENCY_ROWS = tuple(f"{metric}_{q}" for metric, q in METRICS)
+ROWS = LATENCY_ROWS + ("queue_time_p99", "served", "goodput")
 
 
 def summary_value(report: dict, row: str) -> float | None:
     summary = report["summary"]
     if row == "goodput":
         return summary["goodput"]
-    metric, q = row.split("_")
+    if row == "served":
+        return summary["outcomes"]["success"]
+    metric, q = row.rsplit("_", 1)
     return summary[metric][q]
 
 
@@ -237,26 +256,52 @@ ENGINE_FLAGS = ["--kv-cache-memory", "1GiB", "--max-num-seqs", "16", "--max-num-
 ADMISSION_FLAGS = ["--ttft-slo", "3", "--tpot-slo", "0.5"]
 
 
-def load_flags(args: argparse.Namespace, rate: float) -> list[str]:
-    return ["--workload", args.workload, "--rate", str(rate), "--num-requests", str(args.num_requests),
-            "--seed", str(args.seed), "--slo", args.slo]
+def workload_flags(args: argparse.Namespace, seed: int) -> list[str]:
+    """The workload, arrivals and judging flags bench and simulate share (no rate)."""
+    arrival = ["--arrival", args.arrival] if args.arrival else []
+    return ["--workload", args.workload, *arrival, "--num-requests", str(args.num_requests),
+            "--seed", str(seed), "--slo", args.slo]
 
 
-def simulate_rate(args: argparse.Namespace, out: Path, rate: float, gguf: str, frontend_s: float) -> dict:
-    """Every variant's comparison with the live run of `rate` saved under
-    `out` (its bench report and bracketed profiles). A variant with jitter
-    runs --jitter-seeds realizations: a p99 of a few dozen requests is
-    nearly their maximum, and one draw of it says little."""
-    real = json.loads((out / f"bench_{rate:g}" / "report.json").read_text())
+def load_flags(args: argparse.Namespace, rate: float, seed: int) -> list[str]:
+    return ["--rate", str(rate), *workload_flags(args, seed)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One live run to validate: a rate, and which repeat of it (its seed)."""
+
+    rate: float
+    repeat: int = 0
+
+    @property
+    def key(self) -> str:  # file names and JSON keys; repeat 0 keeps the old names
+        return f"{self.rate:g}" + (f"_r{self.repeat}" if self.repeat else "")
+
+    def seed(self, args: argparse.Namespace) -> int:
+        return args.seed + self.repeat
+
+    @classmethod
+    def of_key(cls, key: str) -> "Run":
+        rate, _, repeat = key.partition("_r")
+        return cls(float(rate), int(repeat or 0))
+
+
+def simulate_rate(args: argparse.Namespace, out: Path, run: Run, gguf: str, frontend_s: float) -> dict:
+    """Every variant's comparison with the live run saved under `out` (its
+    bench report and bracketed profiles). A variant with jitter runs
+    --jitter-seeds realizations: a p99 of a few dozen requests is nearly
+    their maximum, and one draw of it says little."""
+    real = json.loads((out / f"bench_{run.key}" / "report.json").read_text())
     compared = {}
     for name, (profile_suffix, jitter) in VARIANTS.items():
-        hardware, summaries = out / f"profile_{rate:g}{profile_suffix}.json", []
+        hardware, summaries = out / f"profile_{run.key}{profile_suffix}.json", []
         for jitter_seed in range(args.jitter_seeds if jitter == "profile" else 1):
-            run_out = out / (f"{name}_{rate:g}" + (f"_j{jitter_seed}" if jitter_seed else ""))
+            run_out = out / (f"{name}_{run.key}" + (f"_j{jitter_seed}" if jitter_seed else ""))
             quiet = contextlib.redirect_stdout(io.StringIO()) if jitter_seed else contextlib.nullcontext()
             with quiet:  # the first realization's report is printed
                 rc = kvserve_main(["simulate", "--model", gguf, "--hardware", str(hardware),
-                                   *load_flags(args, rate), *ENGINE_FLAGS, *ADMISSION_FLAGS,
+                                   *load_flags(args, run.rate, run.seed(args)), *ENGINE_FLAGS, *ADMISSION_FLAGS,
                                    "--frontend-latency-ms", f"{frontend_s * 1e3:.3f}", "--step-jitter", jitter,
                                    "--jitter-seed", str(jitter_seed), "--out", str(run_out)])
             if rc != 0:
@@ -266,38 +311,40 @@ def simulate_rate(args: argparse.Namespace, out: Path, rate: float, gguf: str, f
     return compared
 
 
-def measure_rate(args: argparse.Namespace, out: Path, rate: float, gguf: str) -> dict:
-    """The live part for one rate: profile, a fresh server with probes around
+def profile_now(args: argparse.Namespace, path: Path) -> str:
+    """Profile right before (or after) the run it predicts: on a shared
+    machine the speed drifts with other load within minutes."""
+    if args.profile is not None:
+        return args.profile
+    subprocess.run(kvserve("profile", *ENGINE_FLAGS, "--prefill-tokens", "0,16,48,96",
+                           "--decode-batch", "0,1,2,4,8", "--context", "32,96", "--repeats", "5",
+                           "--time-budget", str(args.profile_budget), "--out", str(path)),
+                   check=True, env=ENV)
+    return str(path)
+
+
+def measure_rate(args: argparse.Namespace, out: Path, run: Run, gguf: str) -> dict:
+    """The live part for one run: profile, a fresh server with probes around
     the bench run, profile again; writes the bracketed and calibrated
     profiles and returns what the simulation stage needs besides them."""
-
-    def profile_now(path: Path) -> str:
-        """Profile right before the run it predicts: on a shared machine the
-        speed drifts with other load within minutes."""
-        if args.profile is not None:
-            return args.profile
-        subprocess.run(kvserve("profile", *ENGINE_FLAGS, "--prefill-tokens", "0,16,48,96",
-                               "--decode-batch", "0,1,2,4,8", "--context", "32,96", "--repeats", "5",
-                               "--time-budget", str(args.profile_budget), "--out", str(path)),
-                       check=True, env=ENV)
-        return str(path)
-
-    before = profile_now(out / f"profile_{rate:g}_before.json")
+    key = run.key
+    before = profile_now(args, out / f"profile_{key}_before.json")
     # A fresh server per rate, as the simulation starts fresh: every rate
     # sends the same prompts (same seed), and a server kept from the last
     # rate would serve most of them from its prefix cache.
     with serving(ENGINE_FLAGS + ADMISSION_FLAGS) as base_url:
         frontend_s = frontend_latency_s(base_url)
         gaps_before = live_decode_gaps_s(base_url)
-        subprocess.run(kvserve("bench", "--base-url", base_url, *load_flags(args, rate), "--tokenizer", gguf,
-                               "--no-progress", "--out", str(out / f"bench_{rate:g}")), check=True, env=ENV)
+        subprocess.run(kvserve("bench", "--base-url", base_url, *load_flags(args, run.rate, run.seed(args)),
+                               "--tokenizer", gguf, "--no-progress", "--out", str(out / f"bench_{key}")),
+                       check=True, env=ENV)
         # Probes after the run too, as the profile brackets it: one
         # moment's probe can catch the machine slow or fast.
         gaps_after = live_decode_gaps_s(base_url, first_probe=4)
         live_step_s = statistics.median(gaps_before + gaps_after)
-    after = profile_now(out / f"profile_{rate:g}_after.json")
-    profile = bracket(before, after, out / f"profile_{rate:g}.json")
-    _, scale = calibrated(profile, live_step_s, out / f"profile_{rate:g}_calibrated.json")
+    after = profile_now(args, out / f"profile_{key}_after.json")
+    profile = bracket(before, after, out / f"profile_{key}.json")
+    _, scale = calibrated(profile, live_step_s, out / f"profile_{key}_calibrated.json")
     profile_doc = json.loads(Path(profile).read_text())
     jitter = {k: v for k, v in (profile_doc.get("step_jitter") or {}).items() if k != "ratios"}
     return {**profile_doc["fit"], "step_jitter": jitter, "frontend_latency_s": frontend_s,
@@ -306,13 +353,87 @@ def measure_rate(args: argparse.Namespace, out: Path, rate: float, gguf: str) ->
             "live_decode_step_after_s": statistics.median(gaps_after)}
 
 
+SATURATION_FLAGS = ["--no-prefix-caching"]  # every rate of a search starts equal, as each simulated one does
+
+
+def saturation(args: argparse.Namespace, out: Path, gguf: str) -> dict:
+    """The saturation rate itself: bench's capacity search against a fresh
+    live server vs the simulator's on the profile bracketing it."""
+    search = ["--sweep", "--sweep-start-rate", str(args.sweep_start_rate),
+              "--sweep-max-runs", str(args.sweep_max_runs), *workload_flags(args, args.seed)]
+    before = profile_now(args, out / "profile_saturation_before.json")
+    with serving(ENGINE_FLAGS + SATURATION_FLAGS + ADMISSION_FLAGS) as base_url:
+        frontend_s = frontend_latency_s(base_url)
+        subprocess.run(kvserve("bench", "--base-url", base_url, *search, "--tokenizer", gguf, "--no-progress",
+                               "--out", str(out / "saturation_bench")), check=True, env=ENV)
+    after = profile_now(args, out / "profile_saturation_after.json")
+    profile = bracket(before, after, out / "profile_saturation.json")
+    rc = kvserve_main(["simulate", "--model", gguf, "--hardware", profile, *search, *ENGINE_FLAGS,
+                       *SATURATION_FLAGS, *ADMISSION_FLAGS, "--frontend-latency-ms", f"{frontend_s * 1e3:.3f}",
+                       "--step-jitter", "profile", "--out", str(out / "saturation_sim")])
+    if rc != 0:
+        raise SystemExit(f"simulate --sweep failed with {rc}")
+    real, sim = (json.loads((out / name / "sweep.json").read_text()) for name in ("saturation_bench", "saturation_sim"))
+    return {field: {"real": real[field], "sim": sim[field], "rel_error": relative_error(sim[field], real[field])}
+            for field in ("max_sustainable_rate_per_s", "capacity_at_slo_per_s")}
+
+
+def verdicts(rows_by_run: dict[str, dict], target: float, repeats: int) -> dict[str, dict]:
+    """Per rate, issue 22's goal: every p50 / p99 TTFT and TPOT error within
+    `target` in at least 4 of 5 runs (scaled to `repeats`), and what missed."""
+    by_rate: dict[str, dict] = {}
+    for key, rows in rows_by_run.items():
+        run = Run.of_key(key)
+        verdict = by_rate.setdefault(f"{run.rate:g}", {"runs": 0, "within": 0, "misses": []})
+        missed = {row: rows[row]["rel_error"] for row in LATENCY_ROWS
+                  if rows[row]["rel_error"] is None or rows[row]["rel_error"] > target}
+        verdict["runs"] += 1
+        verdict["within"] += not missed
+        if missed:
+            verdict["misses"].append({"repeat": run.repeat, **missed})
+    needed = -(-4 * repeats // 5)  # 4 of 5, rounded up
+    for verdict in by_rate.values():
+        verdict["needed"] = needed
+        verdict["passed"] = verdict["within"] >= needed
+    return by_rate
+
+
+def format_verdicts(by_rate: dict[str, dict], target: float) -> str:
+    lines = []
+    for rate, v in by_rate.items():
+        misses = "; ".join(f"repeat {m['repeat']}: " + ", ".join(
+            f"{row} {'-' if err is None else format(err, '.0%')}" for row, err in m.items() if row != "repeat")
+            for m in v["misses"])
+        lines.append(f"rate {rate}: p50/p99 TTFT and TPOT within {target:.0%} in {v['within']} of {v['runs']} "
+                     f"runs (goal {v['needed']}): {'met' if v['passed'] else 'MISSED'}"
+                     + (f"; left: {misses}" if misses else ""))
+    return "\n".join(lines)
+
+
+def format_saturation(sat: dict) -> str:
+    return "saturation (bench --sweep live vs simulate --sweep): " + ", ".join(
+        f"{field} real {row['real']} sim {row['sim']} error "
+        f"{'-' if row['rel_error'] is None else format(row['rel_error'], '.0%')}" for field, row in sat.items())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="0.25,0.5", help="request rates to compare, requests/s")
     parser.add_argument("--num-requests", type=int, default=16, help="requests per rate")
     parser.add_argument("--workload", default="short", help="bench workload (same flag as kvserve bench)")
+    parser.add_argument("--arrival", default=None,
+                        help="arrival process (kvserve bench's flag, e.g. gamma:burstiness=0.25); default poisson")
     parser.add_argument("--slo", default="ttft=3,tpot=0.5", help="SLO for goodput (bench syntax)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="live runs per rate, repeat i with seed --seed + i (the goal: 4 of 5 within --target)")
+    parser.add_argument("--target", type=float, default=0.10,
+                        help="relative error the p50 / p99 TTFT and TPOT must stay within")
+    parser.add_argument("--saturation", action="store_true",
+                        help="first compare the capacity search live vs simulated, then validate the live "
+                             "max sustainable rate too")
+    parser.add_argument("--sweep-start-rate", type=float, default=0.5, help="with --saturation: first rate")
+    parser.add_argument("--sweep-max-runs", type=int, default=5, help="with --saturation: most runs per search")
     parser.add_argument("--jitter-seeds", type=int, default=9,
                         help="step jitter realizations simulated per rate; the table shows their median")
     parser.add_argument("--profile-budget", type=float, default=90.0,
@@ -320,36 +441,57 @@ def main() -> int:
     parser.add_argument("--profile", default=None, help="reuse this profile JSON instead of profiling")
     parser.add_argument("--resimulate", action="store_true",
                         help="skip the live runs: simulate again against those saved in --out (its "
-                             "validation.json, bench reports and profiles), e.g. after a simulator change")
+                             "validation.json, bench reports and profiles), e.g. after a simulator change; "
+                             "the saturation search is kept as saved")
     parser.add_argument("--out", default="bench-out/sim-validation")
     args = parser.parse_args()
-    if args.jitter_seeds < 1:
-        parser.error("--jitter-seeds must be >= 1")
+    if args.jitter_seeds < 1 or args.repeats < 1:
+        parser.error("--jitter-seeds and --repeats must be >= 1")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gguf = str(default_model_path())
     started = time.monotonic()
+    load_before = os.getloadavg()
+    sat = None
     if args.resimulate:
         saved = json.loads((out / "validation.json").read_text())
-        for key in ("rates", "num_requests", "workload", "slo", "seed"):
-            setattr(args, key, saved["args"][key])
-        fits = saved["profile_fits"]
+        for key in ("rates", "num_requests", "workload", "arrival", "slo", "seed", "repeats"):
+            setattr(args, key, saved["args"].get(key, getattr(args, key)))
+        fits, sat = saved["profile_fits"], saved.get("saturation")
     else:
-        fits = {f"{rate:g}": measure_rate(args, out, rate, gguf) for rate in map(float, args.rates.split(","))}
+        rates = [float(r) for r in args.rates.split(",")]
+        if args.saturation:
+            sat = saturation(args, out, gguf)
+            live_rate = sat["max_sustainable_rate_per_s"]["real"]
+            if live_rate and live_rate not in rates:
+                rates.append(live_rate)
+        runs = [Run(rate, i) for rate in rates for i in range(args.repeats)]
+        fits = {run.key: measure_rate(args, out, run, gguf) for run in runs}
+        # The live runs kept before simulating: --resimulate can redo the rest.
+        (out / "validation.json").write_text(json.dumps({"profile_fits": fits, "saturation": sat,
+                                                         "args": vars(args)}, indent=1))
     results: dict[str, dict] = {name: {} for name in VARIANTS}
-    for rate, fit in fits.items():
-        for name, rows in simulate_rate(args, out, float(rate), gguf, fit["frontend_latency_s"]).items():
-            results[name][rate] = rows
+    for key, fit in fits.items():
+        for name, rows in simulate_rate(args, out, Run.of_key(key), gguf, fit["frontend_latency_s"]).items():
+            results[name][key] = rows
+    judged = verdicts(results["sim"], args.target, args.repeats)
     document = {"rates": results["sim"], "rates_no_jitter": results["sim_no_jitter"],
-                "rates_calibrated": results["sim_calibrated"], "profile_fits": fits,
-                "wall_s": time.monotonic() - started, "args": vars(args)}
+                "rates_calibrated": results["sim_calibrated"], "verdicts": judged, "saturation": sat,
+                "profile_fits": fits, "wall_s": time.monotonic() - started,
+                "load_average": {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
+                "args": vars(args)}
     (out / "validation.json").write_text(json.dumps(document, indent=1))
     print(f"error of the simulation: as measured (the profile and its step jitter: the median over "
           f"{args.jitter_seeds} realizations, and their range), as measured without the jitter, and "
           f"calibrated to the live server's batch-1 decode step (probes before and after the bench run)")
     print(format_table(results))
-    print(f"wall {document['wall_s']:.0f} s; wrote {out / 'validation.json'}")
+    print(format_verdicts(judged, args.target))
+    if sat is not None:
+        print(format_saturation(sat))
+    load = document["load_average"]
+    print(f"wall {document['wall_s']:.0f} s; load average {load['before'][0]:.1f} -> {load['after'][0]:.1f} "
+          f"on {load['cpus']} CPUs; wrote {out / 'validation.json'}")
     return 0
 
 
@@ -361,7 +503,7 @@ def format_table(results: dict[str, dict]) -> str:
              + "".join(f" {v:>22}" + (f" {'range':>15}" if v == variants[0] else "") for v in variants)]
     for rate, rows in results[variants[0]].items():
         for name, row in rows.items():
-            scale, unit = (1.0, "req/s") if name == "goodput" else (1000.0, "ms")
+            scale, unit = {"goodput": (1.0, "req/s"), "served": (1.0, "req")}.get(name, (1000.0, "ms"))
             line = f"{rate:>6} {name + ' ' + unit:<16} {_number(row['real'], scale):>9}"
             for variant in variants:
                 cell = results[variant][rate][name]

@@ -42,7 +42,8 @@ _HF_MODEL = None
 
 def tiny_core(num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 16,
               max_num_batched_tokens: int = 256, max_model_len: int = 512,
-              speculative_config: dict | None = None) -> EngineCore:
+              speculative_config: dict | None = None, **engine_fields) -> EngineCore:
+    """An EngineCore over tiny_llama(seed=0) (`engine_fields`: more EngineConfig fields)."""
     global _HF_MODEL
     if _HF_MODEL is None:
         _HF_MODEL = tiny_llama(seed=0)
@@ -51,7 +52,7 @@ def tiny_core(num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 16
     config = EngineConfig(kv_cache_memory_bytes=num_blocks * block_size * KV_BYTES_PER_TOKEN,
                           block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, device="cpu",
-                          max_model_len=max_model_len, speculative_config=speculative_config)
+                          max_model_len=max_model_len, speculative_config=speculative_config, **engine_fields)
     core = EngineCore(model_config_of(_HF_MODEL), weights_of(_HF_MODEL), tokenizer, config, versions=versions)
     core.versions = versions
     return core

@@ -1,7 +1,8 @@
 """The whole request contract over HTTP, through the official `openai` client on
 a live server: structured outputs (response_format, vLLM's structured_outputs
 and guided_*), n > 1, penalties and logit_bias, logprobs on chat, tool calls,
-/tokenize and /detokenize, and the versions of what shaped each answer.
+/tokenize and /detokenize, and the versions of what shaped each answer; a
+LoRA adapter with structured outputs and n > 1.
 
 The model is a tiny random Llama over SmolLM2's real tokenizer (vocab 49,152)
 with a ChatML template, so masks and prompts are the default model's while a
@@ -30,6 +31,7 @@ from tests.test_structured_outputs import SCHEMAS  # noqa: E402
 from tests.tiny_models import TINY_DIMS  # noqa: E402
 
 MODEL = "tiny-smollm"
+ADAPTER = "tiny-lora"  # a LoRA adapter the server serves beside MODEL
 VOCAB = 49152
 MAX_N = 4
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -63,10 +65,24 @@ def tiny_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_folder):
+def adapter_folder(tiny_folder, tmp_path_factory):
+    """A PEFT LoRA adapter with random weights on the tiny model."""
+    from transformers import LlamaForCausalLM
+
+    from tests.tiny_models import tiny_peft_adapter
+
+    folder = tmp_path_factory.mktemp("tiny-contract-lora")
+    tiny_peft_adapter(LlamaForCausalLM.from_pretrained(tiny_folder).eval(), folder, seed=3)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(tiny_folder, adapter_folder):
     from kvserve import LLM
 
-    llm = LLM(model=str(tiny_folder), kv_cache_memory="32MiB", device="cpu", max_model_len=512)
+    llm = LLM(model=str(tiny_folder), kv_cache_memory="32MiB", device="cpu", max_model_len=512, enable_lora=True,
+              max_loras=2)
+    llm.load_lora_adapter(ADAPTER, adapter_folder)
     # Generous waits: the tests measure answers, not admission (a loaded machine is slow).
     admission = AdmissionConfig(max_queue_wait_s=60.0, queue_timeout_s=120.0, tpot_slo_s=10.0)
     serving = Serving(llm.engine, admission, ServerConfig(served_model_name=MODEL, max_n=MAX_N,
@@ -436,3 +452,52 @@ def test_bench_mixes_features_by_weight_splits_the_report_and_records_versions(s
         assert ("structured-output-hash" in r["versions"]) == (r["feature"] != "plain")
         assert ("tool-schema-hash" in r["versions"]) == (r["feature"] == "tools")
         assert r["output_tokens"] >= 1
+
+
+# ---- a LoRA adapter with the rest of the contract --------------------------------
+
+def test_an_adapter_serves_json_schema_beside_the_base_and_names_both_in_the_versions(client, server):
+    """The same constrained requests under the adapter and the base, sent
+    together: every stopped answer validates, the adapter changes answers,
+    and the adapter's id and the schema hash are both in what answered."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(model, name, seed) for name in ("flat", "nested") for seed in (1, 2) for model in (ADAPTER, MODEL)]
+
+    def ask(job):
+        model, name, seed = job
+        return client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"give me {name}"}], max_tokens=160,
+            response_format=schema_format(name, SCHEMAS[name]), temperature=1.0, seed=seed)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        outs = list(pool.map(ask, jobs))
+    for (model, name, _), out in zip(jobs, outs):
+        assert out.model == model
+        if out.choices[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMAS[name])
+    answers = {job: out.choices[0].message.content for job, out in zip(jobs, outs)}
+    assert any(answers[(ADAPTER, n, s)] != answers[(MODEL, n, s)] for _, n, s in jobs)
+    adapter_id = server.serving.core.adapters.get(ADAPTER).adapter_id
+    raw = post(server, "/v1/chat/completions", {
+        "model": ADAPTER, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+        "response_format": schema_format("flat", SCHEMAS["flat"])})
+    assert raw.headers["x-kvserve-adapter-id"] == adapter_id
+    assert raw.headers["x-kvserve-structured-output-hash"]
+    assert adapter_id[:6] in raw.json()["system_fingerprint"]
+
+
+def test_n_choices_under_an_adapter_are_its_answers_and_share_its_prompt_blocks(client, server):
+    stats = server.serving.core.stats
+    prompt = "an adapter's prompt, long enough to fill a few whole KV blocks of sixteen tokens, " * 2
+    hits_before = stats().prefix_cache_hits
+    many = client.completions.create(model=ADAPTER, prompt=prompt, n=3, max_tokens=8, temperature=0)
+    hits = stats().prefix_cache_hits - hits_before
+    one = client.completions.create(model=ADAPTER, prompt=prompt, max_tokens=8, temperature=0)
+    under_base = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert many.model == ADAPTER and [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.text for c in many.choices] == [one.choices[0].text] * 3  # greedy: each choice is the adapter's
+    assert under_base.choices[0].text != one.choices[0].text
+    assert many.usage.completion_tokens == 24 and many.usage.prompt_tokens == one.usage.prompt_tokens
+    full_blocks = (many.usage.prompt_tokens - 1) // 16
+    assert full_blocks >= 2 and hits >= 2 * full_blocks * 16  # choices 1 and 2 hit choice 0's blocks

@@ -125,3 +125,27 @@ def run_to_completion(engine, prompts, params) -> dict:
 def random_prompts(lengths, vocab_size: int = TINY_DIMS["vocab_size"], seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def tiny_peft_adapter(base_model, folder, seed: int, r: int = 8, lora_alpha: float = 16,
+                      target_modules=LORA_TARGETS, std: float = 0.1, **lora_options):
+    """A PEFT LoRA adapter with random low-rank weights on (a copy of)
+    `base_model`, saved to `folder` (adapter_config.json + safetensors);
+    returns PEFT's merged model, the reference for kvserve's adapter."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0,
+                        init_lora_weights=False, **lora_options)
+    peft_model = get_peft_model(copy.deepcopy(base_model), config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:  # PEFT starts B at zero or small; make the update matter
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    peft_model.save_pretrained(str(folder))
+    return peft_model.merge_and_unload().eval()

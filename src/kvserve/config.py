@@ -71,12 +71,15 @@ class SchedulerConfig:
     max_model_len: longest sequence (prompt + output) in tokens.
     aging_s_per_priority: a waiting request gains one priority class of
       urgency for each this many seconds it waits, so nothing starves.
+    max_loras: most distinct LoRA adapters among running requests (the
+      runner's resident slots); None: no limit (no adapters served).
     """
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_model_len: int = 8192
     aging_s_per_priority: float = 10.0
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_num_batched_tokens >= 1,
@@ -85,6 +88,7 @@ class SchedulerConfig:
         _check(self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
         _check(self.aging_s_per_priority > 0,
                f"aging_s_per_priority must be > 0, got {self.aging_s_per_priority}")
+        _check(self.max_loras is None or self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
 
 
 @dataclass(frozen=True)

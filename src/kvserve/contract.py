@@ -304,14 +304,15 @@ class ResolvedVersions:
         extras = (self.adapter_id, self.structured_output_hash, self.tool_schema_hash)
         return "_".join([base, *(e[:6] for e in extras if e)])
 
-    def for_request(self, params: SamplingParams, tool_schema_hash: str | None = None) -> ResolvedVersions:
-        """These versions plus what the request itself brings: its schema hash
-        and, when it has tools, their hash."""
+    def for_request(self, params: SamplingParams, tool_schema_hash: str | None = None,
+                    adapter_id: str | None = None) -> ResolvedVersions:
+        """These versions plus what the request itself brings: its schema hash,
+        when it has tools their hash, and the LoRA adapter it runs under."""
         constraint = params.structured_output
         return ResolvedVersions(self.model_revision, self.tokenizer_hash, self.chat_template_hash,
                                 structured_output_hash=None if constraint is None else constraint.hash,
                                 tool_schema_hash=tool_schema_hash or self.tool_schema_hash,
-                                adapter_id=self.adapter_id)
+                                adapter_id=adapter_id or self.adapter_id)
 
 
 @dataclass
@@ -351,6 +352,8 @@ class Request:
     # Isolation key for prefix caching: model revision, adapter, tenant key.
     # Requests share cached KV only when their namespaces are equal.
     cache_namespace: str = ""
+    # The LoRA adapter it runs under (its file hash, model/lora.py); None: the base model.
+    adapter_id: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -422,7 +425,10 @@ class RequestFactory:
     - Prefix-cache namespace: `{namespace}:{tenant}`, where `namespace`
       names the weights (their revision): KV computed by other weights is
       never reused, and tenants never share cached KV (a prefix hit would
-      reveal another tenant's prompt through timing).
+      reveal another tenant's prompt through timing). A request under a
+      LoRA adapter gets `{namespace}+{adapter_id}:{tenant}`: the adapter
+      changes every layer's K/V, so its blocks are never shared with the
+      base model's or another adapter's.
     - Arrival: the given time, else now on the injected clock.
     - Id: the given one, else `{id_prefix}{n}` counting from 0.
 
@@ -436,17 +442,21 @@ class RequestFactory:
         self.clock = clock
         self.id_prefix = id_prefix
         self._num_built = 0
-        self._namespaces: dict[str, str] = {}  # per tenant: built once, not per request
+        # per (tenant, adapter): built once, not per request
+        self._namespaces: dict[tuple[str, str | None], str] = {}
 
-    def cache_namespace(self, tenant: str) -> str:
-        namespace = self._namespaces.get(tenant)
+    def cache_namespace(self, tenant: str, adapter_id: str | None = None) -> str:
+        key = (tenant, adapter_id)
+        namespace = self._namespaces.get(key)
         if namespace is None:
-            namespace = self._namespaces[tenant] = f"{self.namespace}:{tenant}"
+            weights = self.namespace if adapter_id is None else f"{self.namespace}+{adapter_id}"
+            namespace = self._namespaces[key] = f"{weights}:{tenant}"
         return namespace
 
     def build(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
               request_id: str | None = None, arrival_time: float | None = None, priority: int = 0,
-              tenant: str = "default", deadline: float | None = None) -> Request:
+              tenant: str = "default", deadline: float | None = None,
+              adapter_id: str | None = None) -> Request:
         if request_id is None:
             request_id = f"{self.id_prefix}{self._num_built}"
         self._num_built += 1
@@ -454,4 +464,4 @@ class RequestFactory:
         return Request(request_id, prompt, sampling_params,
                        arrival_time=self.clock() if arrival_time is None else arrival_time,
                        eos_token_ids=self.eos_token_ids, priority=priority, tenant=tenant, deadline=deadline,
-                       cache_namespace=self.cache_namespace(tenant))
+                       cache_namespace=self.cache_namespace(tenant, adapter_id), adapter_id=adapter_id)

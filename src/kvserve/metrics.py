@@ -114,9 +114,13 @@ class SampledHistogram:
 class ServerMetrics:
     """Records finished requests, scheduler samples and front-door decisions."""
 
-    def __init__(self, model_name: str, ttft_slo_s: float, tpot_slo_s: float, max_model_len: int = 8192) -> None:
+    def __init__(self, model_name: str, ttft_slo_s: float, tpot_slo_s: float, max_model_len: int = 8192,
+                 max_loras: int | None = None) -> None:
+        """max_loras: the LoRA slots when adapters are served (None: no
+        vllm:lora_requests_info)."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self.max_loras = max_loras
         self.ttft_slo_s = ttft_slo_s
         self.tpot_slo_s = tpot_slo_s
         self.max_model_len = max_model_len
@@ -257,6 +261,14 @@ class ServerMetrics:
         self.cache_config = Gauge("vllm:cache_config_info", "Information of the KV cache configuration.",
                                   ["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching",
                                    "cache_dtype", "kv_cache_memory_bytes"], registry=self.registry)
+        # vLLM's: one series whose labels name the adapters of running and
+        # waiting requests (comma-separated), valued at the time it was set.
+        self.lora_info = None if self.max_loras is None else Gauge(
+            "vllm:lora_requests_info", "Running stats on LoRA requests.",
+            ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=self.registry)
+        self._lora_labels: tuple[str, str] | None = None
+        if self.lora_info is not None:
+            self.record_adapters([], [])
 
     # ---- recording ---------------------------------------------------------
 
@@ -383,6 +395,17 @@ class ServerMetrics:
     def record_startup(self, seconds_by_phase: dict[str, float]) -> None:
         for phase, seconds in seconds_by_phase.items():
             self.startup.labels(model_name=self.model_name, phase=phase).set(seconds)
+
+    def record_adapters(self, running: list[str], waiting: list[str]) -> None:
+        """The LoRA adapters (names) of running and waiting requests now."""
+        if self.lora_info is None:
+            return
+        labels = (",".join(sorted(set(running))), ",".join(sorted(set(waiting))))
+        if labels != self._lora_labels:
+            self.lora_info.clear()  # only the current state is exported
+            self._lora_labels = labels
+        self.lora_info.labels(model_name=self.model_name, max_lora=str(self.max_loras),
+                              running_lora_adapters=labels[0], waiting_lora_adapters=labels[1]).set_to_current_time()
 
     def record_weights(self, bytes_by_format: dict[str, int]) -> None:
         """The resident weight bytes, set once the model is loaded."""

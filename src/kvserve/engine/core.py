@@ -24,10 +24,12 @@ import torch
 from kvserve.admission.step_limits import StepLimits
 from kvserve.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig, SchedulerConfig, SpeculativeConfig, parse_size
 from kvserve.contract import InvalidParameter, Request, RequestFactory, RequestStatus, ResolvedVersions, SamplingParams
+from kvserve.engine.adapters import AdapterRegistry
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.speculative import SpecDecodeCounts, Speculator
 from kvserve.model_facts.config import ModelConfig
 from kvserve.model.detokenizer import IncrementalDetokenizer
+from kvserve.model.lora import LoraAdapter, read_lora_adapter
 from kvserve.model.sampler import SamplerOutput, SamplingState, TokenLogprob
 from kvserve.model.quantized import check_quantization
 from kvserve.model_facts.tokenizer import Tokenizer
@@ -64,6 +66,11 @@ class EngineConfig:
     quantization: str = "auto"
     # Speculative decoding (None: off); a JSON text or dict of vLLM's keys is parsed.
     speculative_config: SpeculativeConfig | None = None
+    # LoRA adapters (model/lora.py): served only with enable_lora; at most
+    # max_loras resident at once (and so in one step), each of rank <= max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     @classmethod
     def from_sizes(cls, kv_cache_memory: str | int = DEFAULT_KV_CACHE_MEMORY, **fields) -> "EngineConfig":
@@ -77,6 +84,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2 tokens, got {self.max_model_len}")
         check_quantization(self.quantization)
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and "
+                             f"{self.max_lora_rank}")
 
 
 class StepResult(NamedTuple):
@@ -140,7 +150,8 @@ class EngineCore:
         self.sleep_level = 0  # 0 awake; 1 KV cache freed, weights kept; 2 weights dropped too
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len),
+                            max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                            max_loras=config.max_loras if config.enable_lora else None),
             CacheConfig(num_blocks=self.runner.num_blocks, block_size=config.block_size,
                         enable_prefix_caching=config.enable_prefix_caching),
             clock=clock)
@@ -157,6 +168,11 @@ class EngineCore:
         # Structured outputs: compiled off the engine thread, cached per schema.
         # The server may `submit` a request's constraint before adding it.
         self.structured = GrammarCompiler(tokenizer, model_config.vocab_size)
+        # LoRA adapters by name; the runner's slots free an adapter's slot once
+        # no name and no request refers to it.
+        # (a simulated runner, server/simulated.py, serves no adapters)
+        slots = self.lora_slots = getattr(self.runner, "lora_slots", None)
+        self.adapters = AdapterRegistry(on_dropped=None if slots is None else slots.evict)
         self.speculator = None if config.speculative_config is None else Speculator(
             config.speculative_config, self.scheduler, self._draft_model(config.speculative_config))
 
@@ -174,7 +190,8 @@ class EngineCore:
             block_size=config.block_size, dtype=config.dtype, device=config.device,
             max_model_len=self.max_model_len, seed=config.seed,
             max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
-            quantization=config.quantization)
+            quantization=config.quantization, max_loras=config.max_loras if config.enable_lora else None,
+            max_lora_rank=config.max_lora_rank)
 
     # -- sleep and wake (vLLM's levels) ---------------------------------------
     def sleep(self, level: int) -> int:
@@ -225,11 +242,28 @@ class EngineCore:
     # -- requests in and out -------------------------------------------------
     def new_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, *,
                     request_id: str | None = None, arrival_time: float | None = None, priority: int = 0,
-                    tenant: str = "default", deadline: float | None = None) -> Request:
+                    tenant: str = "default", deadline: float | None = None,
+                    adapter_id: str | None = None) -> Request:
         """A Request for this engine (`RequestFactory.build`: its EOS tokens,
-        clock and cache namespace)."""
+        clock and cache namespace, per adapter)."""
         return self.requests.build(prompt_token_ids, sampling_params, request_id=request_id,
-                                   arrival_time=arrival_time, priority=priority, tenant=tenant, deadline=deadline)
+                                   arrival_time=arrival_time, priority=priority, tenant=tenant, deadline=deadline,
+                                   adapter_id=adapter_id)
+
+    # -- LoRA adapters -------------------------------------------------------
+    def load_lora_adapter(self, name: str, path: str) -> LoraAdapter:
+        """Read a PEFT adapter folder and serve it as `name` (any thread).
+        Raises LoraError (a bad folder) or ValueError (LoRA not enabled, the
+        name is taken or is the base model's)."""
+        if self.lora_slots is None:
+            raise ValueError("LoRA adapters are not enabled on this engine (enable_lora / --enable-lora)")
+        adapter = read_lora_adapter(name, path, self.model_config, self.config.max_lora_rank)
+        self.adapters.add(adapter)
+        return adapter
+
+    def unload_lora_adapter(self, name: str) -> bool:
+        """Stop serving `name` (requests already under it finish); False if unknown."""
+        return self.adapters.remove(name) is not None
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ValueError (engine unchanged) if its prompt has
@@ -245,11 +279,17 @@ class EngineCore:
         state = _RequestState(request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                               params.stop, skip_special_tokens=True))
         grammar = None if params.structured_output is None else self.structured.submit(params.structured_output)
+        if request.adapter_id is not None:
+            self.adapters.acquire(request.adapter_id)  # raises ValueError once unloaded
         if grammar is not None and not grammar.done():
             self._states[request.request_id] = state
             self._compiling[request.request_id] = (request, grammar)
             return
-        self._start(state, grammar)  # raises InvalidParameter for a failed compile
+        try:
+            self._start(state, grammar)  # raises InvalidParameter for a failed compile
+        except InvalidParameter:
+            self._release_adapter(request)
+            raise
 
     def _start(self, state: _RequestState, grammar: Future[CompiledGrammar] | None) -> None:
         """Hand a request to the scheduler with its sampling state (grammar: a done future)."""
@@ -279,6 +319,7 @@ class EngineCore:
                 self._start(state, future)
             except InvalidParameter:
                 del self._states[request_id]
+                self._release_adapter(request)
                 request.status = RequestStatus.FINISHED_ABORTED
                 request.timestamps.finished = self.clock()
                 failed.append(self._output(state, [], [], ""))
@@ -299,6 +340,7 @@ class EngineCore:
         if compiling is not None:
             compiling[0].status = RequestStatus.FINISHED_ABORTED
             compiling[0].timestamps.finished = self.clock()
+            self._release_adapter(compiling[0])
             return self._output(self._states.pop(request_id), [], [], "")
         request = self.scheduler.abort(request_id)
         if request is None:
@@ -312,7 +354,13 @@ class EngineCore:
 
     def _pop_state(self, request_id: str) -> _RequestState:
         self._sampling_states.pop(request_id, None)
-        return self._states.pop(request_id)
+        state = self._states.pop(request_id)
+        self._release_adapter(state.request)
+        return state
+
+    def _release_adapter(self, request: Request) -> None:
+        if request.adapter_id is not None:
+            self.adapters.release(request.adapter_id)
 
     # -- what the serving loop asks of it ----------------------------------------
     @property
@@ -370,11 +418,15 @@ class EngineCore:
         failed = self._start_compiled()
         scheduled = self.scheduler.schedule()
         captures = self.runner.num_graph_captures
+        # Each runner is called with what it takes: a simulated runner neither
+        # drafts (speculation needs the model runner) nor adapters.
+        extra: dict = {}
         speculator = self.speculator
-        if speculator is None:
-            sampled = self.runner.execute(scheduled, self._sampling_states)
-        else:
-            sampled = self.runner.execute(scheduled, self._sampling_states, speculator.draft_probs)
+        if speculator is not None:
+            extra["draft_probs"] = speculator.draft_probs
+        if self.lora_slots is not None:
+            extra["adapters"] = self.adapters.by_id()
+        sampled = self.runner.execute(scheduled, self._sampling_states, **extra)
         outputs = failed + self._process(scheduled, sampled)
         spec_decode = None
         if speculator is not None:

@@ -25,7 +25,8 @@ class LLM:
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  device: str | None = None, max_model_len: int | None = None, seed: int = 0,
                  enforce_eager: bool = False, quantization: str = "auto",
-                 speculative_config: dict | str | None = None) -> None:
+                 speculative_config: dict | str | None = None, enable_lora: bool = False,
+                 max_loras: int = 4, max_lora_rank: int = 16) -> None:
         """Load `model` (None: the embedded SmolLM2-135M-Instruct; a *.gguf file or a
         Hugging Face folder) and size the KV cache to `kv_cache_memory` ("2GiB", bytes, or
         "auto": what the resident weights leave of 1.5 GiB; default 1GiB, as `kvserve serve`).
@@ -34,12 +35,15 @@ class LLM:
         in that type). speculative_config: speculative decoding with vLLM's keys, e.g.
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
         "prompt_lookup_min": 2} or {"method": "draft_model", "model": PATH,
-        "num_speculative_tokens": 4} (config.SpeculativeConfig)."""
+        "num_speculative_tokens": 4} (config.SpeculativeConfig). enable_lora: serve
+        LoRA adapters (`load_lora_adapter`, then `generate(..., lora=name)`), at
+        most max_loras in one step, of rank <= max_lora_rank."""
         config = EngineConfig.from_sizes(
             kv_cache_memory, dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             device=device, max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
-            quantization=quantization, speculative_config=speculative_config)
+            quantization=quantization, speculative_config=speculative_config, enable_lora=enable_lora,
+            max_loras=max_loras, max_lora_rank=max_lora_rank)
         loaded = load_model(model, quantization=quantization)
         self.engine = EngineCore(loaded.config, loaded.weights, loaded.tokenizer, config,
                                  versions=loaded.versions)
@@ -47,22 +51,42 @@ class LLM:
         self.versions = loaded.versions
         self.source = loaded.source
 
+    def load_lora_adapter(self, name: str, path: str | os.PathLike) -> None:
+        """Serve the PEFT LoRA folder at `path` as `name` (needs enable_lora);
+        raises ValueError naming what is wrong with the folder."""
+        self.engine.load_lora_adapter(name, str(path))
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
+                 lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Complete each prompt (a string or a list of token ids); outputs in input order.
-        A bad prompt raises ValueError and leaves nothing queued."""
+        `lora`: the loaded adapter every prompt runs under, or one name (or None,
+        the base model) per prompt. A bad prompt raises ValueError and leaves nothing queued."""
         prompt_ids = [self._prompt_token_ids(p) for p in _as_prompt_list(prompts)]
-        return self._run(prompt_ids, _params_for(sampling_params, len(prompt_ids)))
+        return self._run(prompt_ids, _params_for(sampling_params, len(prompt_ids)),
+                         self._adapter_ids(lora, len(prompt_ids)))
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             ) -> list[RequestOutput]:
+             lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Reply to one conversation (a list of {"role", "content"} dicts) or a list of
-        conversations, rendered with the model's chat template."""
+        conversations, rendered with the model's chat template (`lora` as in generate)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompt_ids = [self._chat_token_ids(conversation) for conversation in conversations]
-        return self._run(prompt_ids, _params_for(sampling_params, len(prompt_ids)))
+        return self._run(prompt_ids, _params_for(sampling_params, len(prompt_ids)),
+                         self._adapter_ids(lora, len(prompt_ids)))
+
+    def _adapter_ids(self, lora: str | Sequence[str | None] | None, num_prompts: int) -> list[str | None]:
+        names = [lora] * num_prompts if lora is None or isinstance(lora, str) else list(lora)
+        if len(names) != num_prompts:
+            raise ValueError(f"got {len(names)} lora names for {num_prompts} prompts")
+        ids: list[str | None] = []
+        for name in names:
+            adapter = None if name is None else self.engine.adapters.get(name)
+            if name is not None and adapter is None:
+                raise ValueError(f"no LoRA adapter named {name!r} is loaded")
+            ids.append(None if adapter is None else adapter.adapter_id)
+        return ids
 
     def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -74,14 +98,15 @@ class LLM:
         # The template writes any BOS itself; encoding must not add another.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _run(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+    def _run(self, prompt_ids: list[list[int]], params: list[SamplingParams],
+             adapter_ids: list[str | None]) -> list[RequestOutput]:
         engine = self.engine
         # Compile every constraint first: a bad one raises InvalidParameter
         # before anything is queued.
         compiles = [engine.structured.submit(p.structured_output) for p in params if p.structured_output]
         for future in compiles:
             future.result()
-        requests = [engine.new_request(ids, p) for ids, p in zip(prompt_ids, params)]
+        requests = [engine.new_request(ids, p, adapter_id=a) for ids, p, a in zip(prompt_ids, params, adapter_ids)]
         added = []
         try:
             for request in requests:

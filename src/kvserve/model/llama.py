@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,17 @@ from kvserve.model.attention import AttentionMetadata, native_attention, paged_a
 from kvserve.model_facts.config import ModelConfig
 from kvserve.model.device import resolve_device
 from kvserve.model.quantized import NativeLayer, QuantizedWeight, activation_type, kernel_threads, require_kernels
+
+
+class LinearUpdates(Protocol):
+    """A step's additions to the fused linears' outputs (model/lora.LoraStep):
+    `add` adds the update of layer `layer`'s `group` (qkv, o, gate_up, down)
+    for input x, before that linear's input transform (`norm` / `swiglu`, as
+    `input_transform`), to its output `out` in place. A protocol, so the model
+    does not import its implementation (which uses `input_transform`)."""
+
+    def add(self, out: Tensor, layer: int, group: str, x: Tensor, norm: tuple[Tensor, float] | None = None,
+            swiglu: bool = False) -> None: ...
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -138,14 +150,17 @@ def make_linear(parts: list, dtype: torch.dtype, device: torch.device) -> Linear
 class DecoderLayer:
     """One pre-norm transformer block; plain tensors, no nn.Module overhead."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, Tensor], prefix: str,
+    def __init__(self, config: ModelConfig, weights: dict[str, Tensor], index: int,
                  dtype: torch.dtype, device: torch.device) -> None:
+        prefix = f"model.layers.{index}."
+
         def take(name: str) -> Tensor:
             return weights[prefix + name].to(device=device, dtype=dtype)
 
         def linear(*names: str) -> Linear:
             return make_linear([weights[prefix + n] for n in names], dtype, device)
 
+        self.index = index
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -170,18 +185,30 @@ class DecoderLayer:
         return [self.qkv, self.o_proj, self.gate_up, self.down]
 
     def __call__(self, residual: Tensor, kv_cache: Tensor, cos: Tensor, sin: Tensor,
-                 meta: AttentionMetadata) -> Tensor:
+                 meta: AttentionMetadata, lora: LinearUpdates | None = None) -> Tensor:
         """residual: [T, hidden], the residual stream; kv_cache: [num_slots, 2, Hkv, D]
         (this layer). Returns the residual stream after this layer. Each norm and
         the SwiGLU are the input transform of the matmul after them, and each
         residual add is fused into the matmul before it (the quantized kernels do
-        both inside one call; the float path runs the same ops in torch)."""
+        both inside one call; the float path runs the same ops in torch).
+        `lora`: this step's adapters (model/lora.py), added to each fused
+        matmul's output; their input transform runs again in torch on their rows."""
         qkv = self.qkv.matmul(residual, norm=(self.input_norm, self.eps))
+        if lora is not None:
+            lora.add(qkv, self.index, "qkv", residual, norm=(self.input_norm, self.eps))
         if self.qkv_bias is not None:
             qkv += self.qkv_bias
-        residual = self.o_proj.matmul(self.attention(qkv, kv_cache, cos, sin, meta), add=residual)
+        attn = self.attention(qkv, kv_cache, cos, sin, meta)
+        residual = self.o_proj.matmul(attn, add=residual)
+        if lora is not None:
+            lora.add(residual, self.index, "o", attn)
         gate_up = self.gate_up.matmul(residual, norm=(self.post_attn_norm, self.eps))
-        return self.down.matmul(gate_up, add=residual, swiglu=True)
+        if lora is not None:
+            lora.add(gate_up, self.index, "gate_up", residual, norm=(self.post_attn_norm, self.eps))
+        out = self.down.matmul(gate_up, add=residual, swiglu=True)
+        if lora is not None:
+            lora.add(out, self.index, "down", gate_up, swiglu=True)
+        return out
 
     def attention(self, qkv: Tensor, kv_cache: Tensor, cos: Tensor, sin: Tensor,
                   meta: AttentionMetadata) -> Tensor:
@@ -270,7 +297,7 @@ class LlamaModel:
         head = weights.get("lm_head.weight") if not config.tie_word_embeddings else None
         self.lm_head = self.embed_tokens if head is None else _table(head, dtype, device)
         self.norm = weights["model.norm.weight"].to(device=device, dtype=dtype)
-        self.layers = [DecoderLayer(config, weights, f"model.layers.{i}.", dtype, device)
+        self.layers = [DecoderLayer(config, weights, i, dtype, device)
                        for i in range(config.num_hidden_layers)]
         self.cos, self.sin = rope_tables(config, max_positions, dtype, device)
         # A model computing on quantized weights runs the rest of its step in
@@ -315,9 +342,11 @@ class LlamaModel:
                 weights.append(layer.qkv_bias)
         return weights
 
-    def forward(self, token_ids: Tensor, kv_caches: list[Tensor], meta: AttentionMetadata) -> Tensor:
+    def forward(self, token_ids: Tensor, kv_caches: list[Tensor], meta: AttentionMetadata,
+                lora: LinearUpdates | None = None) -> Tensor:
         """token_ids: [T] -> hidden states [T, hidden] (before the final norm).
-        kv_caches: one [num_slots, 2, Hkv, D] tensor per layer, written in place."""
+        kv_caches: one [num_slots, 2, Hkv, D] tensor per layer, written in place.
+        lora: the step's per-token adapter updates (None: the base model only)."""
         if isinstance(self.embed_tokens, QuantizedWeight):
             residual = self.embed_tokens.rows(token_ids, self.dtype)
         else:
@@ -327,10 +356,11 @@ class LlamaModel:
         else:
             cos = self.cos.index_select(0, meta.positions).unsqueeze(1)  # [T, 1, D]
             sin = self.sin.index_select(0, meta.positions).unsqueeze(1)
-        if self.native_decode is not None and meta.is_decode_only and meta.block_table is not None:
+        # The one-call path has no adapter hooks: a step with adapters goes layer by layer.
+        if self.native_decode is not None and lora is None and meta.is_decode_only and meta.block_table is not None:
             return self.native_decode(residual, kv_caches, cos, sin, meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            residual = layer(residual, kv_cache, cos, sin, meta)
+            residual = layer(residual, kv_cache, cos, sin, meta, lora)
         return residual
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -18,6 +19,7 @@ from kvserve.model_facts import memory
 from kvserve.model_facts.config import ModelConfig
 from kvserve.model.device import resolve_device, resolve_dtype
 from kvserve.model.llama import LlamaModel
+from kvserve.model.lora import LoraAdapter, LoraSlots, LoraStep
 from kvserve.model.quantized import prepare_weights
 from kvserve.model.sampler import Sampler, SamplerOutput, SamplingState
 from kvserve.runner.decode_graphs import DecodeGraphs
@@ -60,10 +62,11 @@ class ModelRunner:
                  block_size: int = 16, dtype: str | torch.dtype = "float32",
                  device: torch.device | str | None = None, max_model_len: int | None = None,
                  seed: int = 0, max_num_seqs: int = 64, enforce_eager: bool = False,
-                 quantization: str = "auto") -> None:
+                 quantization: str = "auto", max_loras: int | None = None, max_lora_rank: int = 16) -> None:
         """weights: HF-named float tensors or QuantizedWeights (model/loader.py);
         quantization: what they are computed in (model/quantized.prepare_weights).
-        kv_cache_memory_bytes None: auto_kv_cache_bytes of the resident weights."""
+        kv_cache_memory_bytes None: auto_kv_cache_bytes of the resident weights.
+        max_loras: LoRA adapter slots (None: no adapters), each of rank up to max_lora_rank."""
         self.config = config
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
@@ -86,6 +89,8 @@ class ModelRunner:
         self.scratch_slot = self.num_blocks * block_size
         self.sampler = Sampler(seed=seed, device=self.device)
         self.rejection_sampler = RejectionSampler(self.sampler)
+        self.lora_slots = None if max_loras is None else LoraSlots(config, max_loras, max_lora_rank, self.dtype,
+                                                                   self.device)
         formats = ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in self.model.weight_formats().items())
         log.info("resident weights %.1f MiB (%s); KV cache %.1f MiB = %d blocks of %d tokens",
                  self.weight_bytes / 2**20, formats, self.num_blocks * kv_bytes_per_block(
@@ -148,13 +153,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: "SchedulerOutput",
                 sampling_states: Mapping[str, SamplingState] | None = None,
-                draft_probs: Mapping[str, Tensor] | None = None) -> SamplerOutput:
+                draft_probs: Mapping[str, Tensor] | None = None,
+                adapters: Mapping[str, LoraAdapter] | None = None) -> SamplerOutput:
         """Run one forward pass over the scheduled chunks; write their K/V into the
         cache and sample one token for every chunk that reaches its request's end.
         `sampling_states`: request_id -> the sampler's per-request state (masks,
         penalties, bias) for the requests that have one. A chunk with drafts
         is verified (runner/rejection_sampler.py); `draft_probs`: request_id
-        -> [k, V] the distributions a draft model drew its drafts from."""
+        -> [k, V] the distributions a draft model drew its drafts from.
+        `adapters`: adapter_id -> LoRA adapter, for the requests that run under
+        one (a verifying chunk's draft rows run under its adapter too)."""
         chunks = scheduler_output.chunks
         if not chunks:
             return SamplerOutput({}, {})
@@ -162,8 +170,8 @@ class ModelRunner:
             # Kernel launches, graph capture and replay go to the current
             # device's stream: make that this runner's device (e.g. cuda:1).
             with torch.cuda.device(self.device):
-                return self._execute(chunks, sampling_states, draft_probs)
-        return self._execute(chunks, sampling_states, draft_probs)
+                return self._execute(chunks, sampling_states, draft_probs, adapters)
+        return self._execute(chunks, sampling_states, draft_probs, adapters)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes by kind: `weights` (resident, quantized at their block size),
@@ -186,12 +194,14 @@ class ModelRunner:
         return 0 if self.decode_graphs is None else self.decode_graphs.num_captured
 
     def _execute(self, chunks: Sequence["ScheduledChunk"], sampling_states: Mapping[str, SamplingState] | None,
-                 draft_probs: Mapping[str, Tensor] | None) -> SamplerOutput:
-        if self.decode_graphs is not None and self.decode_graphs.accepts(chunks):
+                 draft_probs: Mapping[str, Tensor] | None,
+                 adapters: Mapping[str, LoraAdapter] | None) -> SamplerOutput:
+        lora = self._lora_step(chunks, adapters)
+        if lora is None and self.decode_graphs is not None and self.decode_graphs.accepts(chunks):
             return self.sampler.sample(self.decode_graphs.run(chunks), [c.request for c in chunks],
                                        sampling_states)
         batch = build_step_batch(chunks, self.block_size, self.device)
-        hidden = self.model.forward(batch.token_ids, self.kv_caches, batch.meta)
+        hidden = self.model.forward(batch.token_ids, self.kv_caches, batch.meta, lora)
         if not batch.sample_requests:
             return SamplerOutput({}, {})
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
@@ -221,6 +231,22 @@ class ModelRunner:
             out.token_ids.update(plain.token_ids)
             out.logprobs.update(plain.logprobs)
         return out
+
+    def _lora_step(self, chunks: Sequence["ScheduledChunk"],
+                   adapters: Mapping[str, LoraAdapter] | None) -> LoraStep | None:
+        """The step's per-token adapter slots (its adapters made resident), or
+        None when every chunk runs the base model."""
+        ids = [c.request.adapter_id for c in chunks]
+        if all(adapter_id is None for adapter_id in ids):
+            return None
+        if self.lora_slots is None or adapters is None:
+            raise ValueError("a request under a LoRA adapter, but this runner serves no adapters")
+        slot_of = self.lora_slots.slots_for(adapters[i] for i in set(ids) if i is not None)
+        slot_per_chunk = np.fromiter((-1 if i is None else slot_of[i] for i in ids), dtype=np.int64,
+                                     count=len(ids))
+        num_new = np.fromiter((c.num_new_tokens for c in chunks), dtype=np.int64, count=len(ids))
+        return self.lora_slots.step(np.repeat(slot_per_chunk, num_new))
+
 
 def _tensor_attributes(model: object) -> Iterator[tuple[object, str, Tensor]]:
     """(owner, attribute, tensor) for every tensor the model holds, through

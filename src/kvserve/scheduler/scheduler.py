@@ -9,6 +9,8 @@ limited to steps that decode someone, decided as the step is built):
 2. running requests part-way through their prompt continue their chunk;
 3. waiting requests start in policy order (scheduler/policy.py), their
    prompt chunked to what budget is left, so a long prompt never stalls decode.
+   A request under a LoRA adapter that no running request uses starts only
+   while fewer than `max_loras` adapters run (the runner's resident slots).
 
 Speculative decoding: a decoding request that carries draft tokens
 (`Request.spec_token_ids`, proposed after the previous step) asks for
@@ -118,6 +120,8 @@ class SchedulerStats(NamedTuple):
     num_evicted_blocks: int  # total since start: cached blocks evicted from the prefix cache
     num_allocation_failures: int  # total: KV allocations the pool could not satisfy
     num_recomputed_tokens: int  # total: computed tokens whose KV preemption dropped
+    running_adapters: tuple[str, ...] = ()  # LoRA adapter ids of running requests
+    waiting_adapters: tuple[str, ...] = ()  # ... and of waiting ones
 
 
 # Sort key of running requests: most urgent first; the last is the
@@ -141,6 +145,10 @@ class Scheduler:
         self.cap_idle_steps = True
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
+        # LoRA adapter id -> requests under it, running and waiting (kept per
+        # transition: stats and the max_loras check never scan the queues).
+        self._running_adapters: dict[str, int] = {}
+        self._waiting_adapters: dict[str, int] = {}
 
     # -- requests in and out ---------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -159,6 +167,8 @@ class Scheduler:
         request.timestamps.queued = self.clock()
         self._requests[request.request_id] = request
         self.waiting.add(request)
+        if request.adapter_id is not None:
+            _count(self._waiting_adapters, request.adapter_id, 1)
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -201,6 +211,8 @@ class Scheduler:
             return None
         if request.request_id not in self.running:
             self.waiting.remove(request)
+            if request.adapter_id is not None:
+                _count(self._waiting_adapters, request.adapter_id, -1)
         self.finish(request, status, self.clock())
         return request
 
@@ -211,7 +223,8 @@ class Scheduler:
         kv = self.kv_cache
         return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions,
                               kv.usage(), kv.prefix_cache_queries, kv.prefix_cache_hits,
-                              kv.num_evicted_blocks, kv.num_allocation_failures, self.num_recomputed_tokens)
+                              kv.num_evicted_blocks, kv.num_allocation_failures, self.num_recomputed_tokens,
+                              tuple(self._running_adapters), tuple(self._waiting_adapters))
 
     def context_lengths(self) -> tuple[list[int], list[int]]:
         """Tokens (prompt + output so far) of each running and each waiting
@@ -331,6 +344,9 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(request, front=True)
+        if request.adapter_id is not None:
+            _count(self._running_adapters, request.adapter_id, -1)
+            _count(self._waiting_adapters, request.adapter_id, 1)
 
     def start_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         """Start waiting requests in policy order within `budget` tokens and
@@ -342,16 +358,27 @@ class Scheduler:
             request = self.waiting.peek(now)
             if request is None:
                 break
+            if request.adapter_id is not None and not self._adapter_can_run(request.adapter_id):
+                break  # head-of-line waits for an adapter slot, as for KV
             computed = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - computed.num_tokens, budget)
             if self.kv_cache.allocate_slots(request, num_new, computed) is None:
                 break  # head-of-line waits: skipping it for smaller requests would starve it
             self.waiting.pop(request)
+            if request.adapter_id is not None:
+                _count(self._waiting_adapters, request.adapter_id, -1)
+                _count(self._running_adapters, request.adapter_id, 1)
             if request.timestamps.scheduled is None:
                 out.started_ids.append(request.request_id)
             self._start(request, computed.num_tokens, now)
             out.chunks.append(self._chunk(request, num_new))
             budget -= num_new
+
+    def _adapter_can_run(self, adapter_id: str) -> bool:
+        """A request under this adapter may start: the adapter already runs,
+        or fewer than max_loras do."""
+        limit = self.config.max_loras
+        return limit is None or adapter_id in self._running_adapters or len(self._running_adapters) < limit
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -457,6 +484,16 @@ class Scheduler:
         queue) at `now`: stamp it, drop it and free its KV."""
         request.status = status
         request.timestamps.finished = now
-        self.running.pop(request.request_id, None)
+        if self.running.pop(request.request_id, None) is not None and request.adapter_id is not None:
+            _count(self._running_adapters, request.adapter_id, -1)
         self._requests.pop(request.request_id, None)
         self.kv_cache.free(request)
+
+
+def _count(counts: dict[str, int], key: str, change: int) -> None:
+    """Add `change` to counts[key], dropping keys that reach zero."""
+    num = counts.get(key, 0) + change
+    if num:
+        counts[key] = num
+    else:
+        del counts[key]

@@ -27,12 +27,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.add_batching_arguments(model)
     flags.add_runtime_arguments(model)
     flags.add_speculative_arguments(model)
+    _add_lora_arguments(parser.add_argument_group("LoRA adapters"))
     from kvserve.server import simulated
 
     simulated.add_arguments(parser)
     _add_http_arguments(parser.add_argument_group("HTTP"))
     _add_observability_arguments(parser.add_argument_group("observability"))
     flags.add_admission_arguments(parser.add_argument_group("admission (the promise)"))
+
+
+def _add_lora_arguments(lora: flags.ArgumentTarget) -> None:
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="serve LoRA adapters (implied by --lora-modules): a request names one by its "
+                           "`model`; POST /v1/load_lora_adapter and /v1/unload_lora_adapter change them at run time")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                      help="PEFT LoRA folders (adapter_config.json + adapter_model.safetensors) to serve, "
+                           "each under NAME")
+    lora.add_argument("--max-loras", type=int, default=4,
+                      help="most adapters resident at once, and so in one step (least recently used "
+                           "evicted; a request under another waits) (adapters)")
+    lora.add_argument("--max-lora-rank", type=int, default=16,
+                      help="highest adapter rank accepted; each resident slot is sized for it (rank)")
+
+
+def lora_modules(specs: list[str]) -> list[tuple[str, str]]:
+    """--lora-modules NAME=PATH ... -> (name, path) pairs; ValueError for a malformed one."""
+    pairs = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {spec!r}")
+        pairs.append((name, path))
+    return pairs
 
 
 def _add_http_arguments(http: flags.ArgumentTarget) -> None:
@@ -110,6 +136,7 @@ def build_serving(args: argparse.Namespace, phases=None):
 
     phases = phases if phases is not None else StartupPhases()
     with phases.phase("imports"):  # heavy imports only when serving
+        from dataclasses import replace
         from pathlib import Path
 
         from kvserve.engine.core import EngineCore
@@ -133,9 +160,15 @@ def build_serving(args: argparse.Namespace, phases=None):
         loaded = load_model(args.model, quantization=args.quantization)
     name = args.served_model_name or Path(loaded.source).name.removesuffix(".gguf")
     admission, server = configs(args, name)
+    adapters = lora_modules(args.lora_modules)
+    config = replace(engine_config(args), enable_lora=args.enable_lora or bool(adapters),
+                     max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     with phases.phase("kv_allocation"):  # the runner allocates the KV cache tensor
-        core = EngineCore(loaded.config, loaded.weights, loaded.tokenizer, engine_config(args),
-                          versions=loaded.versions)
+        core = EngineCore(loaded.config, loaded.weights, loaded.tokenizer, config, versions=loaded.versions)
+    for adapter_name, path in adapters:
+        if adapter_name == name:
+            raise ValueError(f"--lora-modules: {adapter_name!r} is the base model's name")
+        core.load_lora_adapter(adapter_name, path)  # LoraError (a ValueError) names a bad folder
     serving = Serving(core, admission, server, tenants, versions=loaded.versions)
     serving.startup = phases
     serving.reload_weights = lambda: load_model(args.model, quantization=args.quantization).weights  # a wake from sleep level 2

@@ -73,6 +73,8 @@ class PreparedRequest:
     num_choices: int = 1  # n: one engine request per choice
     tool_set: ToolSet | None = None
     constraint_param: str | None = None  # the field the structured-output constraint came from
+    model: str = ""  # what the response names: the base model, or the LoRA adapter the body named
+    adapter_id: str | None = None  # that adapter's id (its file hash); None: the base model
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -105,12 +107,15 @@ class RequestPreparer:
     `fits_cache(prompt_tokens, max_tokens)` says whether such a request can
     ever fit the KV cache; `refuse_early(RequestClass)` raises the refusal
     any request of that class would get now, or returns. `versions` are the
-    server's (each request adds its own hashes); `max_n` bounds `n`."""
+    server's (each request adds its own hashes); `max_n` bounds `n`;
+    `adapter_id_of(name)` is the id of the LoRA adapter served as `name`, or None."""
 
     def __init__(self, tokenizer, limits: ModelLimits, admission_config: AdmissionConfig,
                  fits_cache: Callable[[int, int], bool], refuse_early: Callable[[RequestClass], None],
-                 clock: Callable[[], float], versions: ResolvedVersions, max_n: int = 1) -> None:
+                 clock: Callable[[], float], versions: ResolvedVersions, max_n: int = 1,
+                 adapter_id_of: Callable[[str], str | None] = lambda name: None) -> None:
         self.tokenizer = tokenizer
+        self.adapter_id_of = adapter_id_of
         self.limits = limits
         self.versions = versions
         self.max_n = max_n
@@ -127,7 +132,7 @@ class RequestPreparer:
 
     def prepare(self, kind: Kind, body, tenant: Tenant, headers: Mapping[str, str]) -> PreparedRequest:
         arrival = self.clock()
-        self.resolve_model(body.model)
+        model, adapter_id = self.resolve_model(body.model)
         try:
             protocol.refuse_unsupported(body, self.max_n)
         except InvalidParameter as exc:
@@ -147,19 +152,25 @@ class RequestPreparer:
         except InvalidParameter as exc:
             raise bad_request(exc) from None
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
-        versions = self.versions.for_request(params, None if tool_set is None else tool_set.schema_hash)
+        versions = self.versions.for_request(params, None if tool_set is None else tool_set.schema_hash, adapter_id)
         return PreparedRequest(
             kind, f"{prefix}-{self._id_prefix}{next(self._id_counter):010x}", prompt, params, defaulted, arrival,
             request_class.priority, tenant, request_class.is_retry, request_class.deadline, bool(body.stream),
             bool(body.stream_options and body.stream_options.include_usage), versions, body.n or 1, tool_set,
-            constraint_param)
+            constraint_param, model, adapter_id)
 
-    def resolve_model(self, name: str | None) -> None:
-        """404 unless `name` (a request's `model`) is one this server serves:
-        the one place a request's model name is looked up."""
-        if name is not None and name != self.limits.name:
-            raise APIError(404, f"model {name!r} does not exist; this server serves "
-                                f"{self.limits.name!r}", "invalid_request_error", "model_not_found", "model")
+    def resolve_model(self, name: str | None) -> tuple[str, str | None]:
+        """(the name the response gives, the LoRA adapter's id or None) of a
+        request's `model`: the one place it is looked up; 404 for a name this
+        server does not serve (neither the base model nor a loaded adapter)."""
+        base = self.limits.name
+        if name is None or name == base:
+            return base, None
+        adapter_id = self.adapter_id_of(name)
+        if adapter_id is None:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {base!r} and the LoRA "
+                                "adapters GET /v1/models lists", "invalid_request_error", "model_not_found", "model")
+        return name, adapter_id
 
     # ---- the size rules ------------------------------------------------------
 

@@ -535,3 +535,16 @@ def is_retry(headers) -> bool:
         except ValueError:
             continue
     return False
+
+
+class LoadLoraAdapterRequest(_WireModel):
+    """vLLM's POST /v1/load_lora_adapter body."""
+
+    lora_name: Text = Field(min_length=1, max_length=256)
+    lora_path: Text = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(_WireModel):
+    """vLLM's POST /v1/unload_lora_adapter body (its `lora_int_id` is accepted and ignored)."""
+
+    lora_name: Text = Field(min_length=1, max_length=256)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from kvserve.dashboard import dashboard_page
 from kvserve.metrics import CONTENT_TYPE_LATEST
@@ -17,8 +17,10 @@ from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraAdapterRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    UnloadLoraAdapterRequest,
 )
 from kvserve.server.serving import Serving
 from kvserve.server.tenants import Tenant
@@ -66,10 +68,26 @@ async def detokenize(body: DetokenizeRequest, request: Request):
 @router.get("/v1/models", responses={401: _ERRORS[401]})
 async def models(request: Request):
     serving = _serving(request)
-    card = {"id": serving.model_name, "object": "model", "created": int(time.time()),
+    created = int(time.time())
+    card = {"id": serving.model_name, "object": "model", "created": created,
             "owned_by": "kvserve", "max_model_len": serving.max_model_len,
-            "root": serving.versions.model_revision}
-    return JSONResponse({"object": "list", "data": [card]}, headers=serving.version_headers())
+            "root": serving.versions.model_revision, "parent": None}
+    # vLLM's adapter cards: root is the adapter's folder, parent the base model.
+    adapters = [{"id": adapter.name, "object": "model", "created": created, "owned_by": "kvserve",
+                 "max_model_len": serving.max_model_len, "root": adapter.path, "parent": serving.model_name}
+                for adapter in serving.core.adapters.names()]
+    return JSONResponse({"object": "list", "data": [card, *adapters]}, headers=serving.version_headers())
+
+
+@router.post("/v1/load_lora_adapter", responses={400: _ERRORS[400], 401: _ERRORS[401]})
+async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request):
+    message = await _serving(request).load_lora_adapter(body.lora_name, body.lora_path)
+    return PlainTextResponse(message)
+
+
+@router.post("/v1/unload_lora_adapter", responses={400: _ERRORS[400], 401: _ERRORS[401], 404: _ERRORS[404]})
+async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request):
+    return PlainTextResponse(_serving(request).unload_lora_adapter(body.lora_name))
 
 
 @router.get("/health")

@@ -34,6 +34,7 @@ from kvserve.contract import InvalidParameter, ResolvedVersions
 from kvserve.engine.async_engine import AsyncEngine, Finished, StepReport
 from kvserve.engine.core import EngineCore
 from kvserve.metrics import ServerMetrics
+from kvserve.model.lora import LoraError
 from kvserve.request_log import RequestLog
 from kvserve.server import protocol, streaming
 from kvserve.server.errors import APIError, bad_request, ended_without_output, rejection
@@ -84,7 +85,8 @@ class Serving:
             admission_config, core.num_kv_blocks, core.config.block_size, core.config.max_num_seqs, clock,
             self.tenants.limits()))
         self.metrics = ServerMetrics(self.model_name, admission_config.ttft_slo_s, admission_config.tpot_slo_s,
-                                     self.max_model_len)
+                                     self.max_model_len,
+                                     max_loras=core.config.max_loras if core.config.enable_lora else None)
         self.metrics.record_weights(core.weight_formats())
         self.metrics.record_memory(core.memory_bytes)
         self.metrics.record_cache_config(core.config.block_size, core.num_kv_blocks, core.config.enable_prefix_caching,
@@ -96,7 +98,7 @@ class Serving:
                                   on_scheduled=None if self.tracer is None else self.tracer.on_scheduled)
         self.preparer = RequestPreparer(
             self.tokenizer, ModelLimits(self.model_name, self.vocab_size, self.max_model_len), admission_config,
-            self._fits_cache, self._refuse_early, clock, self.versions, server_config.max_n)
+            self._fits_cache, self._refuse_early, clock, self.versions, server_config.max_n, self._adapter_id_of)
         self.started = False
         self.draining = False
         self._drain_deadline = 0.0  # monotonic time the drain aborts what is left
@@ -213,6 +215,10 @@ class Serving:
         self.metrics.record_step(report.num_decode_seqs, report.num_prefill_tokens, report.step_s)
         if report.stats is not None:
             self.metrics.record_stats(report.stats, report.num_deferred)
+            if self.metrics.max_loras is not None:
+                name_of = self.core.adapters.name_of
+                self.metrics.record_adapters([name_of(i) for i in report.stats.running_adapters],
+                                             [name_of(i) for i in report.stats.waiting_adapters])
         if report.num_decode_seqs or report.num_prefill_tokens:
             self.metrics.record_contexts(report.running_context_tokens, report.waiting_context_tokens)
         if report.limits is not None:
@@ -267,7 +273,7 @@ class Serving:
             self._abort(choices, "choice_refused" if isinstance(exc, APIError) else "disconnect")
             raise
         response_headers = self._headers(prepared, decision)
-        shape = protocol.ResponseShape(kind, prepared.request_id, self.model_name,
+        shape = protocol.ResponseShape(kind, prepared.request_id, prepared.model,
                                        prepared.versions.fingerprint, self.tokenizer.token_text)
         if prepared.stream:
             watcher.cancel()
@@ -313,7 +319,7 @@ class Serving:
         request_id = p.choice_id(index)
         request = self.core.new_request(p.prompt_token_ids, p.choice_params(index), request_id=request_id,
                                         arrival_time=p.arrival, priority=p.priority, tenant=p.tenant.name,
-                                        deadline=p.deadline)
+                                        deadline=p.deadline, adapter_id=p.adapter_id)
         try:
             stream = self.engine.add(request, p.is_retry)
         except RuntimeError:  # the engine failed since the check in create()
@@ -467,6 +473,42 @@ class Serving:
             if value:
                 headers[name] = value
         return headers
+
+    # ---- LoRA adapters (vLLM's runtime endpoints) -----------------------------
+
+    def _adapter_id_of(self, name: str) -> str | None:
+        adapter = self.core.adapters.get(name)
+        return None if adapter is None else adapter.adapter_id
+
+    async def load_lora_adapter(self, name: str, path: str) -> str:
+        """Read and serve a PEFT adapter folder; 400 for a bad folder, a name
+        in use, or LoRA not enabled."""
+        self._require_lora()
+        if name == self.model_name:
+            raise APIError(400, f"{name!r} is the base model's name", param="lora_name")
+        try:
+            # Reading and hashing the files is I/O: off the event loop.
+            adapter = await asyncio.to_thread(self.core.load_lora_adapter, name, path)
+        except LoraError as exc:
+            raise APIError(400, str(exc), code="invalid_lora_adapter", param="lora_path") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="lora_adapter_exists", param="lora_name") from None
+        log.info("loaded LoRA adapter %r from %s (id %s, rank %d)", name, path, adapter.adapter_id[:12],
+                 adapter.rank)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def unload_lora_adapter(self, name: str) -> str:
+        """Stop serving an adapter (requests under it finish); 404 if unknown."""
+        self._require_lora()
+        if not self.core.unload_lora_adapter(name):
+            raise APIError(404, f"the LoRA adapter {name!r} cannot be found", "invalid_request_error",
+                           "lora_adapter_not_found", "lora_name")
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def _require_lora(self) -> None:
+        if not self.core.config.enable_lora:
+            raise APIError(400, "LoRA adapters are not enabled on this server (start it with --enable-lora "
+                                "or --lora-modules)", code="lora_not_enabled")
 
     async def _abort_on_disconnect(self, http_request, choices: list[Choice]) -> None:
         """Wait for the client to go away, then abort its requests."""

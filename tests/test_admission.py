@@ -538,3 +538,27 @@ def test_a_loose_tpot_target_does_not_lift_the_running_cap_past_the_ttft_target(
     cap = ctl.running_cap()
     assert 2 <= cap < 64, cap
     assert 0.01 + 0.05 * cap <= 2.0 / 2, cap  # a step leaves most of the TTFT target to queueing and prefill
+
+
+def test_a_queue_of_long_prompts_is_a_wait_even_with_slots_and_blocks_free():
+    # Prefill at 2 ms per token (a slow CPU: a 256-token prompt is ~0.5 s):
+    # prompts admitted ahead are that much prefill before the next one's
+    # turn, though the batch has slots and the cache has blocks.
+    ctl, clock = make(num_blocks=1000, max_num_seqs=64, tpot_slo_s=1.0, ttft_slo_s=20.0, max_queue_wait_s=2.2)
+    for p in (64, 128, 256, 512):
+        ctl.observe_step(0, p, 0.002 * p)
+    for d in (1, 2, 3, 4) * 3:
+        ctl.observe_step(d, 0, 0.01 + 0.001 * d)
+    assert ctl.expected_wait_s(req(prompt=256))[0] < 0.05  # nothing ahead: it starts at once
+    ahead = [req(prompt=256) for _ in range(4)]
+    for r in ahead:
+        admit(ctl, r)
+    wait_s, binding = ctl.expected_wait_s(req(prompt=256))
+    assert binding == "prefill_backlog" and 1.8 <= wait_s <= 2.2, (wait_s, binding)
+    admit(ctl, req(prompt=256))
+    refused = ctl.check(req(prompt=256))  # one more prompt ahead: past the 2.2 s limit
+    assert (refused.outcome, refused.reason) == (Outcome.REJECT, "prefill_backlog"), refused
+    # A started prompt's prefill goes on: half a second later less is ahead.
+    ctl.on_start(ahead[0].request_id)
+    clock.now += 0.5
+    assert ctl.expected_wait_s(req(prompt=256))[0] < wait_s + 0.5 - 0.4

@@ -26,6 +26,7 @@ class Reason(StrEnum):
     KV_CACHE = "kv_cache"  # the expected wait for KV blocks is over the class's limit
     QUEUE_FULL = "queue_full"  # the waiting queue is at its length limit (--max-queue-len)
     BATCH_SLOTS = "batch_slots"  # the expected wait for a slot in the running batch is over the class's limit
+    PREFILL_BACKLOG = "prefill_backlog"  # the prompts ahead of it take longer than the limit to prefill
     TENANT_QUOTA = "tenant_quota"
     RETRY_BUDGET = "retry_budget"
     NEVER_FITS = "never_fits"  # 400: the request can never fit (the cache, the tenant's tokens per minute)

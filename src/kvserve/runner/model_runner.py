@@ -5,6 +5,7 @@ step's SchedulerOutput into tensors (runner/step_batch.py) -> forward pass
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -124,6 +125,8 @@ class ModelRunner:
         self.kv_caches, self.decode_graphs = [], None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        else:
+            _return_free_heap_to_the_system()
         return num_bytes
 
     def offload_weights(self) -> int:
@@ -246,6 +249,17 @@ class ModelRunner:
                                      count=len(ids))
         num_new = np.fromiter((c.num_new_tokens for c in chunks), dtype=np.int64, count=len(ids))
         return self.lora_slots.step(np.repeat(slot_per_chunk, num_new))
+
+
+def _return_free_heap_to_the_system() -> None:
+    """glibc keeps freed memory that came from its heap arenas (not every
+    large block is its own mapping: a process that freed big blocks before
+    raises the mmap threshold), so a freed KV cache can stay resident; ask it
+    to give its free pages back. Elsewhere (another libc) this does nothing."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _tensor_attributes(model: object) -> Iterator[tuple[object, str, Tensor]]:

@@ -127,7 +127,8 @@ class AdmissionController:
 
     def expected_wait_s(self, request: AdmissionRequest, max_tokens: int | None = None) -> tuple[float, Reason]:
         """Expected seconds until `request` can start, and what binds it
-        (KV_CACHE, or BATCH_SLOTS for the running batch's slots)."""
+        (KV_CACHE, BATCH_SLOTS for the running batch's slots, or
+        PREFILL_BACKLOG for the prompts admitted ahead of it)."""
         now = self.clock()
         max_tokens = request.max_tokens if max_tokens is None else max_tokens
         need = self.blocks_needed(request.num_prompt_tokens, max_tokens, request.num_cached_tokens)

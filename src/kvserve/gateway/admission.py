@@ -108,8 +108,9 @@ def wait_refusal(backends: Sequence[BackendLoad], num_tokens: int, limit_s: floa
     fleet's measured drain (admission/retry_after.py, as a replica's)."""
     if not backends:
         return None
-    soonest = min(backends, key=lambda b: expected_wait_s(b, num_tokens))
-    wait_s = expected_wait_s(soonest, num_tokens)
+    waits = [expected_wait_s(b, num_tokens) for b in backends]
+    first = min(range(len(waits)), key=waits.__getitem__)  # ties: the earlier backend
+    wait_s, soonest = waits[first], backends[first]
     if wait_s <= limit_s:
         return None
     reason = Reason.KV_CACHE if kv_binds(soonest, num_tokens) else Reason.BATCH_SLOTS

@@ -178,8 +178,8 @@ def test_the_simulator_and_ray_make_the_same_scaling_decisions():
     from kvserve.sim.simulator import Simulator
     from tests.test_sim_simulator import COST, fixed_mix, replica_config
 
-    rule = SimAutoscale(max_replicas=4, interval_s=2.0, cold_start_s=6.0, warm_pool=1, warm_start_s=0.5,
-                        look_back_s=5.0, scale_down_delay_s=8.0)
+    rule = SimAutoscale(AutoscaleConfig(max_replicas=4, look_back_s=5.0, scale_down_delay_s=8.0),
+                        interval_s=2.0, cold_start_s=6.0, warm_pool=1, warm_start_s=0.5)
     offsets = arrival_offsets(parse_arrival("step:rates=5/60/2,step=10"), None, 40.0, seed=3)
     specs = generate_requests(fixed_mix(200, 30), len(offsets), seed=3)
     result = Simulator(replica_config(AdmissionConfig(), autoscale=rule), COST).run(specs, offsets)

@@ -10,6 +10,7 @@ import pytest
 from kvserve.bench.workload import LengthClass, LengthDist, WorkloadSpec, generate_requests
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
 from kvserve.sim.cost_model import LinearCostModel
+from kvserve.fleet.autoscale import AutoscaleConfig as FleetAutoscaleConfig
 from kvserve.sim.simulator import AutoscaleConfig, SimConfig, Simulator
 
 COST = LinearCostModel(intercept_s=0.004, per_prefill_token_s=2e-5, per_decode_seq_s=2e-4,
@@ -103,7 +104,7 @@ def test_fast_forward_is_exact_with_admission_refusals_and_timeouts():
 def test_fast_forward_is_exact_across_replicas_with_cancels_and_autoscale():
     specs = _workload(400, seed=3, cancel=0.2)
     offsets = [i * 0.01 for i in range(len(specs))]
-    autoscale = AutoscaleConfig(max_replicas=4, interval_s=0.5, cold_start_s=1.0)
+    autoscale = AutoscaleConfig(FleetAutoscaleConfig(max_replicas=4), interval_s=0.5, cold_start_s=1.0)
     _, slow, untraced = _compare(_config(AdmissionConfig(max_queue_wait_s=0.5), num_blocks=150, num_replicas=2,
                                          autoscale=autoscale), specs, offsets)
     assert {"cancelled", "success"} <= {r.outcome for r in slow.records}

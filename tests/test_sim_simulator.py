@@ -12,6 +12,7 @@ from kvserve.bench.workload import LengthClass, LengthDist, WorkloadSpec, genera
 from kvserve.cli import main
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
 from kvserve.sim.cost_model import LinearCostModel
+from kvserve.fleet.autoscale import AutoscaleConfig as FleetAutoscaleConfig
 from kvserve.sim.simulator import AutoscaleConfig, SimConfig, Simulator
 
 # 20 ms per step + 0.05 ms per prefill token + 0.5 ms per decoding sequence:
@@ -87,7 +88,8 @@ def test_a_warm_pool_serves_a_burst_that_a_cold_start_misses():
     specs = generate_requests(workload, len(offsets), seed=2)
     good = {}
     for warm_pool in (0, 2):
-        scale = AutoscaleConfig(max_replicas=3, interval_s=5, cold_start_s=60, warm_pool=warm_pool)
+        scale = AutoscaleConfig(FleetAutoscaleConfig(max_replicas=3), interval_s=5, cold_start_s=60,
+                                warm_pool=warm_pool)
         result = Simulator(replica_config(AdmissionConfig(), autoscale=scale), COST).run(specs, offsets)
         # The burst starts at 20 s; the check at 25 s sees rejections and scales out.
         assert result.replica_timeline[:2] == [(0.0, 1), (25, 2)]

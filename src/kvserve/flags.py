@@ -5,7 +5,9 @@
 virtual clock. They take the same engine, KV cache and admission flags, from
 the groups below, with one default each: the defaults of the frozen configs
 in kvserve/config.py (`CacheConfig`, `SchedulerConfig`, `AdmissionConfig`)
-and `DEFAULT_KV_CACHE_MEMORY`. Only `admission_config` maps flags to a
+and `DEFAULT_KV_CACHE_MEMORY`. `kvserve ray` and `kvserve simulate` take
+the autoscaling policy's flags (fleet.autoscale.AutoscaleConfig) from one
+group too. Only `admission_config` and `autoscale_config` map flags to a
 config here; flags -> `EngineConfig` is engine/cli.py's `engine_config`
 (the engine side, where torch may be imported).
 
@@ -19,6 +21,7 @@ from typing import Any, Protocol
 
 from kvserve.config import (DEFAULT_KV_CACHE_MEMORY, QUANTIZATION_CHOICES, AdmissionConfig, CacheConfig,
                             SchedulerConfig)
+from kvserve.fleet.autoscale import AutoscaleConfig
 
 
 class ArgumentTarget(Protocol):
@@ -136,3 +139,33 @@ def admission_config(args: argparse.Namespace) -> AdmissionConfig:
         default_max_tokens=args.default_max_tokens, require_max_tokens=args.require_max_tokens,
         ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo, retry_budget=args.retry_budget,
         degrade_wait_s=args.degrade_wait, degrade_max_tokens=args.degrade_max_tokens)
+
+
+_AUTOSCALE = AutoscaleConfig()
+
+
+def add_autoscale_arguments(group: ArgumentTarget) -> None:
+    """The autoscaling policy's targets and timing (fleet.autoscale.AutoscaleConfig),
+    for `kvserve ray` and `kvserve simulate`. Each also answers to its
+    shorter name (`--queue-wait-target`: kvserve ray's, and the keys of a
+    Ray Serve config file)."""
+    a = _AUTOSCALE
+    group.add_argument("--autoscale-queue-wait-target", "--queue-wait-target", type=float,
+                       default=a.queue_wait_target_s, help="autoscaling: the p95 queue wait to hold (seconds)")
+    group.add_argument("--autoscale-kv-target", "--kv-target", type=float, default=a.kv_target,
+                       help="autoscaling: the mean KV usage to stay under (fraction)")
+    group.add_argument("--autoscale-look-back", "--look-back", type=float, default=a.look_back_s,
+                       help="autoscaling: the window of the queue-wait p95 (seconds)")
+    group.add_argument("--autoscale-scale-down-delay", "--scale-down-delay", type=float,
+                       default=a.scale_down_delay_s,
+                       help="autoscaling: how long the fleet must look over-provisioned before a replica "
+                            "drains and leaves (seconds)")
+
+
+def autoscale_config(args: argparse.Namespace, min_replicas: int, max_replicas: int) -> AutoscaleConfig:
+    """The autoscale group's flags and the fleet's bounds -> the policy's
+    config (ValueError from its validation)."""
+    return AutoscaleConfig(min_replicas=min_replicas, max_replicas=max_replicas,
+                           queue_wait_target_s=args.autoscale_queue_wait_target,
+                           kv_target=args.autoscale_kv_target, look_back_s=args.autoscale_look_back,
+                           scale_down_delay_s=args.autoscale_scale_down_delay)

@@ -22,9 +22,7 @@ MODEL_DEPLOYMENT = "kvserve-model"
 def autoscale_config(args: argparse.Namespace) -> AutoscaleConfig:
     """Raises ValueError on bounds that cannot hold (max below min)."""
     max_replicas = args.min_replicas if args.max_replicas is None else args.max_replicas
-    return AutoscaleConfig(min_replicas=args.min_replicas, max_replicas=max_replicas,
-                           queue_wait_target_s=args.queue_wait_target, kv_target=args.kv_target,
-                           look_back_s=args.look_back, scale_down_delay_s=args.scale_down_delay)
+    return flags.autoscale_config(args, args.min_replicas, max_replicas)
 
 
 def application(args: argparse.Namespace):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.fleet.autoscale import KV_TARGET, QUEUE_WAIT_TARGET_S
+from kvserve import flags
 from kvserve.fleet.router import ROUTERS
 
 
@@ -31,15 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="replicas of the warm pool not needed awake sleep (KV cache freed, weights kept) "
                           "and are woken before new ones are started")
     ray.add_argument("--router", default="kv-aware", choices=ROUTERS, help="kvserve's routing policy")
-    ray.add_argument("--queue-wait-target", type=float, default=QUEUE_WAIT_TARGET_S,
-                     help="autoscaling: the p95 queue wait to hold (seconds)")
-    ray.add_argument("--kv-target", type=float, default=KV_TARGET,
-                     help="autoscaling: the mean KV usage to stay under (fraction)")
-    ray.add_argument("--look-back", type=float, default=10.0,
-                     help="autoscaling: the window of the queue-wait p95 (seconds)")
-    ray.add_argument("--scale-down-delay", type=float, default=60.0,
-                     help="autoscaling: how long the fleet must look over-provisioned before a replica "
-                          "drains and leaves (seconds)")
+    flags.add_autoscale_arguments(ray)
     ray.add_argument("--stats-period", type=float, default=1.0,
                      help="how often replicas record routing and autoscaling stats (seconds)")
     ray.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs each replica reserves (CPUs)")

@@ -35,7 +35,6 @@ from kvserve.plan.presets import ModelSpec, resolve_model
 from kvserve.plan.roofline import RooflineCostModel
 from kvserve.sim.cost_model import CostModel, LinearCostModel, resolve_hardware, with_step_jitter
 from kvserve.fleet.router import ROUTERS
-from kvserve.fleet.autoscale import KV_TARGET, QUEUE_WAIT_TARGET_S
 from kvserve.sim.headroom import FleetRun, format_decision, headroom_decision
 from kvserve.sim.simulator import AutoscaleConfig, SimConfig, Simulator
 from kvserve.sim.speculation import SimSpeculation
@@ -106,15 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "replicas")
     sim.add_argument("--autoscale-interval", type=float, default=10.0,
                      help="seconds between autoscaling checks")
-    sim.add_argument("--autoscale-queue-wait-target", type=float, default=QUEUE_WAIT_TARGET_S,
-                     help="autoscaling: the p95 queue wait to hold (seconds)")
-    sim.add_argument("--autoscale-kv-target", type=float, default=KV_TARGET,
-                     help="autoscaling: the mean KV usage to stay under (fraction)")
-    sim.add_argument("--autoscale-look-back", type=float, default=10.0,
-                     help="autoscaling: the window of the queue-wait p95 (seconds)")
-    sim.add_argument("--autoscale-scale-down-delay", type=float, default=60.0,
-                     help="autoscaling: how long the fleet must look over-provisioned before a replica "
-                          "leaves (seconds)")
+    flags.add_autoscale_arguments(sim)
     sim.add_argument("--cold-start", type=float, default=60.0,
                      help="seconds from scale-out to serving for a cold replica (load weights, warm up)")
     sim.add_argument("--warm-pool", type=int, default=0,
@@ -216,10 +207,12 @@ def sim_config(args: argparse.Namespace, spec: ModelSpec, num_blocks: int) -> Si
                         args.max_model_len or spec.config.max_position_embeddings)
     autoscale = None
     if args.autoscale_max_replicas is not None:
-        autoscale = AutoscaleConfig(args.autoscale_max_replicas, args.autoscale_interval,
-                                    args.cold_start, args.warm_pool, args.warm_start,
-                                    args.autoscale_queue_wait_target, args.autoscale_kv_target,
-                                    args.autoscale_look_back, args.autoscale_scale_down_delay)
+        if args.autoscale_max_replicas < 1:
+            raise ValueError(f"--autoscale-max-replicas must be >= 1, got {args.autoscale_max_replicas}")
+        # min_replicas is the simulated fleet's own (AutoscaleConfig.policy)
+        policy = flags.autoscale_config(args, 1, args.autoscale_max_replicas)
+        autoscale = AutoscaleConfig(policy, args.autoscale_interval, args.cold_start, args.warm_pool,
+                                    args.warm_start)
     admission = None if args.no_admission else flags.admission_config(args)
     return SimConfig(
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from kvserve.admission.decision import Reason
@@ -37,7 +37,7 @@ from kvserve.bench.report import RequestRecord
 from kvserve.bench.workload import RequestSpec
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
 from kvserve.contract import Request, RequestFactory, SamplingParams
-from kvserve.fleet.autoscale import KV_TARGET, QUEUE_WAIT_TARGET_S, ReplicaSignals, ScaleState, decide
+from kvserve.fleet.autoscale import ReplicaSignals, ScaleState, decide
 from kvserve.fleet.autoscale import AutoscaleConfig as FleetAutoscaleConfig
 from kvserve.fleet.backend_state import expected_wait_s, snapshot
 from kvserve.fleet.router import Router, RouterConfig, RouteRequest, affinity_key
@@ -58,39 +58,35 @@ _AUTOSCALE: Final = 2
 @dataclass(frozen=True)
 class AutoscaleConfig:
     """Autoscaling of the simulated fleet by the one policy
-    (fleet.autoscale.decide), checked every `interval_s` on what each ready
-    replica would record (its queue-wait p95 over `look_back_s`, the
-    expected wait of a new request, KV usage, asleep or not). A new replica
-    serves after `cold_start_s` (loading weights, warming up). `warm_pool`
-    replicas beyond the initial ones are held from the start, asleep: one
-    the policy wakes serves after `warm_start_s` (its wake-up), and awake
-    replicas the policy no longer needs go back to sleep once idle. Without
-    a warm pool, a replica the policy lets go drains (no new requests, its
-    own finish) and leaves."""
+    (fleet.autoscale.decide with `fleet`, the config kvserve ray's policy
+    takes: its targets, look-back, scale-down delay and max_replicas; its
+    min_replicas is the simulation's own, below), checked every
+    `interval_s` on what each ready replica would record (its queue-wait
+    p95 over the look-back, the expected wait of a new request, KV usage,
+    asleep or not). A new replica serves after `cold_start_s` (loading
+    weights, warming up). `warm_pool` replicas beyond the initial ones are
+    held from the start, asleep: one the policy wakes serves after
+    `warm_start_s` (its wake-up), and awake replicas the policy no longer
+    needs go back to sleep once idle. Without a warm pool, a replica the
+    policy lets go drains (no new requests, its own finish) and leaves."""
 
-    max_replicas: int
+    fleet: FleetAutoscaleConfig
     interval_s: float = 10.0
     cold_start_s: float = 60.0
     warm_pool: int = 0
     warm_start_s: float = 0.0
-    queue_wait_target_s: float = QUEUE_WAIT_TARGET_S
-    kv_target: float = KV_TARGET
-    look_back_s: float = 10.0
-    scale_down_delay_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.max_replicas < 1 or self.interval_s <= 0 or self.cold_start_s < 0:
-            raise ValueError("autoscale needs max_replicas >= 1, interval_s > 0, cold_start_s >= 0")
-        if self.warm_pool < 0 or self.warm_start_s < 0:
+        if not self.interval_s > 0 or not self.cold_start_s >= 0:
+            raise ValueError("autoscale needs interval_s > 0 and cold_start_s >= 0")
+        if self.warm_pool < 0 or not self.warm_start_s >= 0:
             raise ValueError("warm_pool and warm_start_s must be >= 0")
 
     def policy(self, num_replicas: int) -> FleetAutoscaleConfig:
         """The policy's config for a fleet that starts with `num_replicas`
         awake: those and the warm pool are always held."""
         held = num_replicas + self.warm_pool
-        return FleetAutoscaleConfig(min_replicas=held, max_replicas=max(held, self.max_replicas),
-                                    queue_wait_target_s=self.queue_wait_target_s, kv_target=self.kv_target,
-                                    look_back_s=self.look_back_s, scale_down_delay_s=self.scale_down_delay_s)
+        return replace(self.fleet, min_replicas=held, max_replicas=max(held, self.fleet.max_replicas))
 
 
 @dataclass(frozen=True)
@@ -216,7 +212,7 @@ class Simulator(ReplicaHost):
         config = self.config
         return Replica(index, config.scheduler, config.cache, config.admission, self.cost_model, self, clock,
                        ready_s, self.clock, fast_forward=config.fast_forward, record_trace=config.record_trace,
-                       look_back_s=config.autoscale.look_back_s if config.autoscale is not None else 10.0,
+                       look_back_s=config.autoscale.fleet.look_back_s if config.autoscale is not None else 10.0,
                        speculation=config.speculation)
 
     # -- the loop ----------------------------------------------------------

@@ -218,6 +218,30 @@ def _class_table(title: str, classes: dict) -> str:
     return f'<table class="by-{html.escape(title)}">' + "".join(rows) + "</table>"
 
 
+def _failure_table(section: dict | None) -> str:
+    """`kvserve simulate`'s failure scenarios: the run with them beside the
+    same workload without, overall and per stretch of send times."""
+    if not section:
+        return ""
+    base, fail = section["baseline"], section["with_failures"]
+    rows = ["<tr><th></th><th>baseline</th><th>with failures</th></tr>"]
+    for label, key, fmt in (("goodput (req/s)", "goodput", _num), ("good requests", "num_good", _plain),
+                            ("SLO attainment", "slo_attainment", _pct), ("refused", "refused", _plain),
+                            ("timed out", "timed_out", _plain), ("lost (stream broken)", "lost", _plain),
+                            ("rerouted", "rerouted", _plain), ("routed per replica", "routed_by_replica", _plain)):
+        rows.append(f"<tr><td>{label}</td><td>{fmt(base[key])}</td><td>{fmt(fail[key])}</td></tr>")
+    phases = ["<tr><th>sent (s)</th><th>goodput baseline</th><th>goodput with failures</th>"
+              "<th>attainment baseline</th><th>attainment with failures</th></tr>"]
+    for p in section["phases"]:
+        b, f = p["baseline"], p["with_failures"]
+        phases.append(f"<tr><td>{p['from_s']:.1f}-{p['to_s']:.1f}</td><td>{_num(b['goodput'])}</td>"
+                      f"<td>{_num(f['goodput'])}</td><td>{_pct(b['slo_attainment'])}</td>"
+                      f"<td>{_pct(f['slo_attainment'])}</td></tr>")
+    scenarios = html.escape("; ".join(section["scenarios"]))
+    return (f"<h2>failure scenarios</h2><p>{scenarios}</p>"
+            f'<table class="failures">{"".join(rows)}</table><table class="failure-phases">{"".join(phases)}</table>')
+
+
 def _num(value) -> str:
     return "-" if value is None else f"{value:.3g}"
 
@@ -266,6 +290,7 @@ table{{margin:4px 0}}
 {_summary_table(report)}
 <pre>{html.escape(table_text)}</pre>
 {f"<h2>warnings</h2><ul>{warnings}</ul>" if warnings else ""}
+{_failure_table(report.get("failure_scenarios"))}
 <h2>by tenant and priority</h2>
 {_class_table("tenant", report.get("by_tenant") or {})}
 {_class_table("priority", report.get("by_priority") or {})}

@@ -477,6 +477,7 @@ def format_table(report: dict) -> str:
     if spec is not None:
         lines.append(_spec_decode_line(spec, s["tpot"]))
     lines += _capacity_lines(report)
+    lines += _failure_lines(report.get("failure_scenarios"))
     server = report.get("server_metrics", {}).get("series", {})
     for name, points in server.items():
         values = [v for _, v in points]
@@ -512,6 +513,30 @@ def _capacity_lines(report: dict) -> list[str]:
         ready = startup["time_to_ready_s"]
         lines.append(f"startup: {'ready after ' + format(ready, '.1f') + ' s; ' if ready is not None else ''}"
                      f"first requests' TTFT {first} s, later p50 {_num(startup['later_ttft']['p50'])} s")
+    return lines
+
+
+def _failure_lines(section: dict | None) -> list[str]:
+    """`kvserve simulate`'s failure scenarios beside the same workload without them."""
+    if not section:
+        return []
+    base, fail, cost = section["baseline"], section["with_failures"], section["cost"]
+    lines = [f"failure scenarios: {'; '.join(section['scenarios'])}",
+             f"{'':<22}{'baseline':>12}{'with failures':>15}"]
+    for label, key, fmt in (("goodput (req/s)", "goodput", _num), ("good requests", "num_good", _num),
+                            ("SLO attainment", "slo_attainment", _pct), ("refused", "refused", _num),
+                            ("timed out", "timed_out", _num), ("lost (stream broken)", "lost", _num),
+                            ("rerouted", "rerouted", _num)):
+        lines.append(f"{label:<22}{fmt(base[key]):>12}{fmt(fail[key]):>15}")
+    lines.append(f"routed per replica: baseline {base['routed_by_replica']}, with failures "
+                 f"{fail['routed_by_replica']}")
+    lines.append(f"cost: {_num(cost['goodput_lost'])} req/s of goodput ({_pct(cost['goodput_lost_share'])}), "
+                 f"{cost['good_requests_lost']} good requests, {_pct(cost['slo_attainment_lost'])} of SLO attainment")
+    for phase in section["phases"]:
+        b, f = phase["baseline"], phase["with_failures"]
+        lines.append(f"  sent {phase['from_s']:.1f}-{phase['to_s']:.1f} s: goodput {_num(b['goodput'])} -> "
+                     f"{_num(f['goodput'])} req/s, SLO attainment {_pct(b['slo_attainment'])} -> "
+                     f"{_pct(f['slo_attainment'])}")
     return lines
 
 

@@ -36,7 +36,9 @@ from kvserve.plan.roofline import RooflineCostModel
 from kvserve.sim.cost_model import CostModel, LinearCostModel, resolve_hardware, with_step_jitter
 from kvserve.fleet.router import ROUTERS
 from kvserve.sim.headroom import FleetRun, format_decision, headroom_decision
-from kvserve.sim.simulator import AutoscaleConfig, SimConfig, Simulator
+from kvserve.sim.failures import describe as describe_failures
+from kvserve.sim.failures import failure_section, parse_loss, parse_slowdown
+from kvserve.sim.simulator import AutoscaleConfig, SimConfig, SimResult, Simulator
 from kvserve.sim.speculation import SimSpeculation
 
 # Above this many requests a run keeps (first, last) token times per request
@@ -113,6 +115,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "started, serving after --warm-start")
     sim.add_argument("--warm-start", type=float, default=0.0,
                      help="seconds from wake-up to serving for a warm-pool replica")
+    sim.add_argument("--fail-replica", type=parse_loss, action="append", default=[], metavar="INDEX@SECONDS",
+                     help="failure scenario: replica INDEX (0-based, of the --replicas started with) is lost at "
+                          "SECONDS: its requests not yet streaming go to another replica, streaming ones fail; "
+                          "the report compares the run with the same workload without failures (repeatable)")
+    sim.add_argument("--slow-replica", type=parse_slowdown, action="append", default=[],
+                     metavar="INDEX:FACTOR[@SECONDS]",
+                     help="failure scenario: replica INDEX's steps take FACTOR (> 1) x as long, from SECONDS "
+                          "(default: throughout); the router sees its stats as they are (repeatable)")
     flags.add_speculative_arguments(sim)
     sim.add_argument("--spec-acceptance-rate", type=float, default=None,
                      help="simulate speculative decoding (--speculative-config's k and policy; ngram by "
@@ -144,6 +154,9 @@ def run(args: argparse.Namespace) -> int:
         spec = resolve_model(args.preset, args.model)
         cost_model, num_blocks = cost_model_and_num_blocks(args, spec)
         config = sim_config(args, spec, num_blocks)
+        if (config.losses or config.slowdowns) and (args.sweep or len(args.replicas) > 1):
+            raise ValueError("failure scenarios (--fail-replica, --slow-replica) run one fleet size at one rate: "
+                             "drop --sweep and give one --replicas")
         if args.sweep:
             return _run_sweep(args, config, cost_model, slo)
         if len(args.replicas) > 1 or args.breach_price is not None:
@@ -220,7 +233,8 @@ def sim_config(args: argparse.Namespace, spec: ModelSpec, num_blocks: int) -> Si
         cache=CacheConfig(num_blocks=num_blocks, block_size=args.block_size,
                           enable_prefix_caching=not args.no_prefix_caching),
         admission=admission, num_replicas=args.replicas[0], router=args.router, autoscale=autoscale,
-        frontend_latency_s=args.frontend_latency_ms / 1000.0, speculation=sim_speculation(args))
+        frontend_latency_s=args.frontend_latency_ms / 1000.0, speculation=sim_speculation(args),
+        losses=tuple(args.fail_replica), slowdowns=tuple(args.slow_replica))
 
 
 def sim_speculation(args: argparse.Namespace) -> SimSpeculation | None:
@@ -241,16 +255,37 @@ def report_rows_every(num_requests: int) -> int:
 
 def simulate_once(args: argparse.Namespace, config: SimConfig, cost_model: CostModel, slo: SLO,
                   rate_per_s: float, out_dir: Path, price_per_hour: float | None = None) -> dict:
-    """One simulation written to out_dir; price_per_hour: the fleet's (default --price-per-hour)."""
+    """One simulation written to out_dir; price_per_hour: the fleet's (default
+    --price-per-hour). With failure scenarios, the same workload without them
+    too (out_dir/baseline/), and the report's `failure_scenarios` compares the
+    two."""
     plan = bench_cli.plan_requests(args, rate_per_s)
     exact = len(plan.specs) <= EXACT_EVENTS_MAX_REQUESTS
     config = replace(config, exact_token_events=exact)
-    # Fresh draws for every run: a sweep's rates do not depend on each other.
+    report, result = _simulate_and_report(args, config, cost_model, slo, plan, price_per_hour)
+    if config.losses or config.slowdowns:
+        baseline_config = replace(config, losses=(), slowdowns=())
+        baseline, baseline_result = _simulate_and_report(args, baseline_config, cost_model, slo, plan,
+                                                         price_per_hour)
+        write_report(baseline, out_dir / "baseline")
+        report["failure_scenarios"] = failure_section(
+            config.losses, config.slowdowns, slo,
+            (baseline["summary"], baseline_result.records, baseline_result.replicas, baseline_result.num_rerouted),
+            (report["summary"], result.records, result.replicas, result.num_rerouted), len(plan.specs))
+    write_report(report, out_dir)
+    return report
+
+
+def _simulate_and_report(args: argparse.Namespace, config: SimConfig, cost_model: CostModel, slo: SLO, plan,
+                         price_per_hour: float | None) -> tuple[dict, SimResult]:
+    # Fresh draws for every run: a sweep's rates (and a failure run and its
+    # baseline) do not depend on each other.
     cost_model = with_step_jitter(cost_model, args.step_jitter,
                                   args.seed if args.jitter_seed is None else args.jitter_seed)
     wall_start = time.perf_counter()
     result = Simulator(config, cost_model).run(plan.specs, plan.offsets_s)
     wall_s = time.perf_counter() - wall_start
+    exact = config.exact_token_events
     run_config = bench_cli.jsonable({k: v for k, v in vars(args).items()})
     run_config["simulation"] = {
         "cost_model": cost_model.describe(), "num_blocks": config.cache.num_blocks,
@@ -259,6 +294,7 @@ def simulate_once(args: argparse.Namespace, config: SimConfig, cost_model: CostM
         "replica_timeline": [list(p) for p in result.replica_timeline],
         "num_steps": result.num_steps, "simulated_s": result.duration_s, "wall_s": wall_s,
         "exact_token_events": exact, "requests_sampled_every": 1, "requests_omitted": 0,
+        "failures": describe_failures(config.losses, config.slowdowns), "num_rerouted": result.num_rerouted,
         "core": compiled.status()["core"]}
     rows_every = report_rows_every(len(result.records))
     if rows_every > 1:
@@ -268,8 +304,7 @@ def simulate_once(args: argparse.Namespace, config: SimConfig, cost_model: CostM
     report = build_report(result.records, slo, price_per_hour=price, config=run_config, rows_every=rows_every)
     bench_cli.add_capacity_sections(report, result.records, slo, args.task_size,
                                     _stated_energy(args.watts, config.num_replicas, result.duration_s), None)
-    write_report(report, out_dir)
-    return report
+    return report, result
 
 
 def _stated_energy(watts_per_replica: float | None, num_replicas: int, duration_s: float) -> dict | None:

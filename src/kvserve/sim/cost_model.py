@@ -220,6 +220,34 @@ class JitteredCostModel:
         return {**self.base.describe(), "step_jitter": {**jitter_summary(self.ratios), "seed": self.seed}}
 
 
+class SlowedCostModel:
+    """`base`'s step times x `factor`: a slow replica (a failure scenario,
+    sim/failures.py), e.g. a throttled or degraded accelerator."""
+
+    def __init__(self, base: CostModel, factor: float) -> None:
+        if not factor > 0:
+            raise ValueError(f"a slowdown factor must be > 0, got {factor}")
+        self.base = base
+        self.factor = factor
+
+    def step_time_s(self, shape: StepShape) -> float:
+        return self.base.step_time_s(shape) * self.factor
+
+    def decode_step_ends_s(self, start_s: float, shapes: list[tuple[int, int]]) -> list[float]:
+        factor = self.factor
+        ends: list[float] = []
+        t = start_s
+        previous = start_s
+        for end in decode_step_ends_s(self.base, start_s, shapes):
+            t = t + (end - previous) * factor
+            previous = end
+            ends.append(t)
+        return ends
+
+    def describe(self) -> dict:
+        return {**self.base.describe(), "slowed_by": self.factor}
+
+
 def with_step_jitter(model: CostModel, jitter: str, seed: int) -> CostModel:
     """`model` with the step jitter its profile measured (`jitter` "profile")
     or without any ("none"). A model that measured none (a roofline preset,

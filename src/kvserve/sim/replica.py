@@ -41,7 +41,7 @@ from kvserve.fleet.autoscale import QueueWaitWindow
 from kvserve.fleet.backend_state import DrainMeter
 from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput
 from kvserve.sim.clock import VirtualClock
-from kvserve.sim.cost_model import CostModel, StepShape, chunk_shape, decode_step_ends_s
+from kvserve.sim.cost_model import CostModel, SlowedCostModel, StepShape, chunk_shape, decode_step_ends_s
 from kvserve.sim.fast_forward import ActiveRun, RunLengths, plan_decode_run
 from kvserve.sim.speculation import SimSpeculation, SimulatedDrafts
 
@@ -92,6 +92,7 @@ class Replica:
                  speculation: SimSpeculation | None = None) -> None:
         self.index = index
         self.name = f"replica-{index}"  # its identity on the router's hash ring
+        self.started_s = clock.now_s  # when it was asked for
         self.ready_s = ready_s
         # Its own clock: a decode run's steps are applied when the simulation
         # next looks at this replica, each at its own (earlier) time.
@@ -131,6 +132,10 @@ class Replica:
         self.queue_waits = QueueWaitWindow(look_back_s)
         self.sleeping = False  # a warm-pool replica asleep: routed nothing
         self.retired = False  # let go by the autoscaler: routed nothing, finishes what it has
+        # Failure scenarios (sim/failures.py): gone (routed nothing, runs nothing), or slowed.
+        self.lost_at_s: float | None = None
+        self.slowed_by: float | None = None
+        self.num_routed = 0  # routing decisions that chose it (an arrival, or one rerouted here)
         self.num_steps = 0
         self.busy_s = 0.0
         # How much of the work the fast path took (results never depend on it).
@@ -200,8 +205,9 @@ class Replica:
 
     def stats(self) -> dict:
         s = self.scheduler.stats()
-        return {"index": self.index, "ready_s": self.ready_s, "num_steps": self.num_steps,
-                "busy_s": self.busy_s, "num_preemptions": s.num_preemptions,
+        return {"index": self.index, "started_s": self.started_s, "ready_s": self.ready_s,
+                "lost_at_s": self.lost_at_s, "slowed_by": self.slowed_by, "num_routed": self.num_routed,
+                "num_steps": self.num_steps, "busy_s": self.busy_s, "num_preemptions": s.num_preemptions,
                 "prefix_cache_queries": s.prefix_cache_queries,
                 "prefix_cache_hits": s.prefix_cache_hits,
                 **({} if self.drafts is None else {"spec_decode_num_draft_tokens": self.drafts.num_draft_tokens,
@@ -241,6 +247,26 @@ class Replica:
         self.clock.advance_to(self.sim_clock.now_s)
         self._log(("abort", self.clock.now_s, request_id))
         self.scheduler.abort(request_id)
+
+    def lose(self) -> None:
+        """The replica goes away at the simulation's now, after catch_up: the
+        step in flight never ends and nothing runs there again (its pending
+        step event is ignored). What becomes of its requests is the
+        simulation's (Simulator._lose)."""
+        self.lost_at_s = self.sim_clock.now_s
+        self.run = None
+        self.in_flight = None
+        self.step_event_id += 1
+
+    def slow_down(self, factor: float) -> None:
+        """From the simulation's now, its steps take `factor` x as long. The
+        step in flight keeps its time; a decode run ends after it (its later
+        steps were timed at the old pace) and the next step is planned at
+        the new one."""
+        self.catch_up()
+        self._end_run_after_in_flight()
+        self.cost_model = SlowedCostModel(self.cost_model, factor)
+        self.slowed_by = factor * (self.slowed_by or 1.0)
 
     def catch_up(self) -> None:
         """Apply the run's steps that ended before the simulation's now (an

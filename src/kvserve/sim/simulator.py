@@ -11,6 +11,10 @@ loop moves time forward and hands each event to its replica:
     step      -> the replica's step ends: scheduler.update() at that time
                  with a fixed sampled token, then its next step starts
     cancel    -> scheduler.abort() (the client's cancel_after_s)
+    lose      -> a failure scenario (sim/failures.py): the replica stops being
+                 ready; its requests not yet streaming are routed again,
+                 the others end as lost (a broken stream)
+    slow      -> a failure scenario: the replica's steps take k x as long
     autoscale -> fleet.autoscale.decide on what the replicas would record:
                  wake a sleeping one, start a cold one, or let one drain
 
@@ -44,6 +48,7 @@ from kvserve.fleet.router import Router, RouterConfig, RouteRequest, affinity_ke
 from kvserve.gc_pause import cyclic_gc_paused
 from kvserve.sim.clock import VirtualClock
 from kvserve.sim.cost_model import CostModel
+from kvserve.sim.failures import ReplicaLoss, ReplicaSlowdown, check_failures
 from kvserve.sim.replica import SIM_EOS_TOKEN_ID, SIM_TOKEN_ID, Replica, ReplicaHost
 from kvserve.sim.speculation import SimSpeculation
 
@@ -53,6 +58,14 @@ __all__ = ["SIM_EOS_TOKEN_ID", "SIM_TOKEN_ID", "AutoscaleConfig", "SimConfig", "
 _STEP_DONE: Final = 0
 _CANCEL: Final = 1
 _AUTOSCALE: Final = 2
+_LOSE: Final = 3
+_SLOW: Final = 4
+# What the gateway answers when no backend is ready (503, its error code).
+NO_BACKEND: Final = "no_backend"
+# The gateway's error event when the backend serving a stream goes away,
+# and its 502 when every backend a request was sent to failed.
+STREAM_BROKEN: Final = "the backend serving this stream failed; the output is incomplete"
+ALL_FAILED: Final = "every backend failed this request"
 
 
 @dataclass(frozen=True)
@@ -112,6 +125,8 @@ class SimConfig:
     own (vllm:time_to_first_token_seconds) measures it.
     speculation: speculative decoding at a given acceptance rate and
     proposer cost (sim/speculation.py); single steps only.
+    losses, slowdowns: failure scenarios (sim/failures.py) of the replicas
+    the simulation starts with.
     """
 
     scheduler: SchedulerConfig
@@ -127,6 +142,8 @@ class SimConfig:
     fast_forward: bool = True
     frontend_latency_s: float = 0.0
     speculation: SimSpeculation | None = None
+    losses: tuple[ReplicaLoss, ...] = ()
+    slowdowns: tuple[ReplicaSlowdown, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.frontend_latency_s >= 0:
@@ -134,6 +151,7 @@ class SimConfig:
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
         self.routing()  # validates the name
+        check_failures(self.losses, self.slowdowns, self.num_replicas)
 
     def routing(self) -> RouterConfig:
         return self.router_config or RouterConfig(policy=self.router)
@@ -144,6 +162,7 @@ class _Live:
     spec: RequestSpec
     replica: Replica
     request: Request
+    sent_s: float  # the client's send, which its record counts from (a reroute keeps it)
 
 
 @dataclass
@@ -161,6 +180,8 @@ class SimResult:
     # Each autoscaling check: (time, [ReplicaSignals of the ready replicas], replicas starting,
     # ScaleState before, ScaleDecision): what fleet.autoscale.decide was given and answered.
     scale_trace: list[tuple] = field(default_factory=list)
+    # Requests a lost replica had not started streaming, sent to another one.
+    num_rerouted: int = 0
 
 
 def synth_prompt(spec: RequestSpec) -> list[int]:
@@ -202,7 +223,11 @@ class Simulator(ReplicaHost):
                 pooled = self._new_replica(i, VirtualClock(), 0.0)
                 pooled.sleeping = True
                 self.replicas.append(pooled)
-        self._all_routable = not any(r.sleeping for r in self.replicas)  # none asleep or retired
+        for slowdown in config.slowdowns:  # slow throughout: from the start, no event
+            if slowdown.from_s == 0:
+                self.replicas[slowdown.index].slow_down(slowdown.factor)
+        self._all_routable = not any(r.sleeping for r in self.replicas)  # none asleep, retired or lost
+        self._num_rerouted = 0
         # Built once per distinct value, not per arrival: SamplingParams are
         # immutable (validated once).
         self._sampling_params: dict[int, SamplingParams] = {}
@@ -228,6 +253,11 @@ class Simulator(ReplicaHost):
             raise ValueError("arrival offsets must be non-decreasing")
         if self.config.autoscale is not None and specs:
             self._push(self.config.autoscale.interval_s, _AUTOSCALE, None)
+        for loss in self.config.losses:
+            self._push(loss.at_s, _LOSE, loss)
+        for slowdown in self.config.slowdowns:
+            if slowdown.from_s > 0:
+                self._push(slowdown.from_s, _SLOW, slowdown)
         if self.config.frontend_latency_s:  # the engine sees each request that much later
             offsets_s = [t + self.config.frontend_latency_s for t in offsets_s]
         # The loop makes no reference cycles (reference counting frees
@@ -243,7 +273,7 @@ class Simulator(ReplicaHost):
                          if self.config.record_trace else None,
                          sum(r.num_decode_runs for r in self.replicas),
                          sum(r.num_joined_steps for r in self.replicas), self._route_trace,
-                         scale_trace=self._scale_trace)
+                         scale_trace=self._scale_trace, num_rerouted=self._num_rerouted)
 
     def _loop(self, specs: list[RequestSpec], offsets_s: list[float]) -> None:
         next_arrival = 0
@@ -276,15 +306,31 @@ class Simulator(ReplicaHost):
             self._cancel(payload)
         elif kind == _AUTOSCALE:
             self._autoscale(more_arrivals)
+        elif kind == _LOSE:
+            self._lose(payload)
+        elif kind == _SLOW:
+            self._slow(payload)
 
     # -- arrivals ----------------------------------------------------------
     def _arrive(self, spec: RequestSpec) -> None:
+        self._send(spec, self.clock.now_s - self.config.frontend_latency_s, True)
+
+    def _send(self, spec: RequestSpec, sent_s: float, first: bool) -> None:
+        """The request reaches a replica now (its first send, or a reroute
+        from a lost one): routed, then the replica's admission."""
         now = self.clock.now_s
         # The router reads every ready replica's load as of now; only the
         # chosen one's decode run needs its steps applied.
         ready = self.replicas if self._all_routable and now >= self._all_ready_s else self._routable(now)
+        if not ready:  # the gateway's 503 for a new request, its 502 for one whose backend failed
+            if first:
+                self._reject(spec, 503, NO_BACKEND, "no replica is ready", sent_s)
+            else:
+                self._lost(spec, sent_s, None, 502, ALL_FAILED)
+            return
         prompt = synth_prompt(spec)
         replica = self._route(ready, spec, prompt)
+        replica.num_routed += 1
         replica.catch_up()
         replica.clock.advance_to(now)
         replica.drain.observe(now, replica.num_finished, True)
@@ -293,10 +339,10 @@ class Simulator(ReplicaHost):
                                        tenant=spec.tenant)
         refusal = replica.add(request)
         if refusal is not None:
-            self._reject(spec, refusal.status, refusal.reason, refusal.message)
+            self._reject(spec, refusal.status, refusal.reason, refusal.message, sent_s)
             return
-        self._live[request.request_id] = _Live(spec, replica, request)
-        if spec.cancel_after_s is not None:
+        self._live[request.request_id] = _Live(spec, replica, request, sent_s)
+        if first and spec.cancel_after_s is not None:
             self._push(now + spec.cancel_after_s, _CANCEL, request.request_id)
         replica.start_if_idle()
 
@@ -325,9 +371,8 @@ class Simulator(ReplicaHost):
             params = self._sampling_params[max_tokens] = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         return params
 
-    def _reject(self, spec: RequestSpec, status: int, reason: Reason | None, message: str) -> None:
+    def _reject(self, spec: RequestSpec, status: int, reason: str | None, message: str, sent: float) -> None:
         now = self.clock.now_s
-        sent = now - self.config.frontend_latency_s
         self._records.append(RequestRecord(
             index=spec.index, outcome="rejected", scheduled_s=sent, sent_s=sent, end_s=now,
             status_code=status, reject_reason=reason, tenant=spec.tenant, priority=spec.priority,
@@ -360,7 +405,7 @@ class Simulator(ReplicaHost):
         queue_s = None if stamps.scheduled is None else stamps.scheduled - stamps.arrival
         if queue_s is not None:  # recorded at the finish, as a server's queue-time histogram is
             replica.queue_waits.observe(replica.clock.now_s, queue_s)
-        sent = stamps.arrival - self.config.frontend_latency_s
+        sent = live.sent_s
         self._records.append(RequestRecord(
             index=spec.index, outcome=outcome, scheduled_s=sent, sent_s=sent,
             headers_s=stamps.arrival, token_events=self._token_events(stamps.token_times),
@@ -374,9 +419,54 @@ class Simulator(ReplicaHost):
             return tuple((t, 1) for t in token_times)
         return ((token_times[0], 1), (token_times[-1], len(token_times) - 1))
 
+    # -- failure scenarios -------------------------------------------------
+    def _lose(self, loss: ReplicaLoss) -> None:
+        """The replica goes away, as the gateway sees a backend die: it stops
+        being ready (routed nothing, counted gone by the autoscaler). Its
+        requests that have not streamed a token fail before any answer and
+        go to another ready replica (the gateway's retry of a failed
+        backend); the ones streaming end with its error event (lost)."""
+        replica = self.replicas[loss.index]
+        if replica.lost_at_s is not None:
+            return
+        replica.catch_up()  # what it finished before now stays finished
+        replica.lose()
+        self._all_routable = False
+        self._mark_timeline(self.clock.now_s)
+        for live in [live for live in self._live.values() if live.replica is replica]:
+            del self._live[live.request.request_id]
+            if live.request.num_output_tokens:
+                self._lost(live.spec, live.sent_s, live.request, 500, STREAM_BROKEN)
+            else:
+                self._num_rerouted += 1
+                self._send(live.spec, live.sent_s, False)
+
+    def _lost(self, spec: RequestSpec, sent_s: float, request: Request | None, status: int, message: str) -> None:
+        """A request the failure ended (outcome error): with the tokens it had
+        streamed, if any."""
+        tokens = () if request is None else self._token_events(request.timestamps.token_times)
+        self._records.append(RequestRecord(
+            index=spec.index, outcome="error", scheduled_s=sent_s, sent_s=sent_s,
+            headers_s=None if request is None else request.timestamps.arrival, token_events=tokens,
+            end_s=self.clock.now_s, status_code=status, tenant=spec.tenant, priority=spec.priority,
+            prompt_tokens=spec.prompt_tokens, output_tokens=0 if request is None else request.num_output_tokens,
+            expected_output_tokens=spec.output_tokens, last_sent_s=sent_s, error=message))
+
+    def _slow(self, slowdown: ReplicaSlowdown) -> None:
+        replica = self.replicas[slowdown.index]
+        if replica.lost_at_s is None:
+            replica.slow_down(slowdown.factor)
+
     # -- autoscaling -------------------------------------------------------
     def _routable(self, now_s: float) -> list[Replica]:
-        return [r for r in self.replicas if r.ready_s <= now_s and not r.sleeping and not r.retired]
+        return [r for r in self.replicas
+                if r.ready_s <= now_s and not r.sleeping and not r.retired and r.lost_at_s is None]
+
+    def _mark_timeline(self, now_s: float) -> None:
+        """(now, replicas awake or starting) on the timeline, when it changed."""
+        serving = sum(1 for r in self.replicas if not r.sleeping and not r.retired and r.lost_at_s is None)
+        if serving != self.timeline[-1][1]:
+            self.timeline.append((now_s, serving))
 
     def _autoscale(self, more_arrivals: bool) -> None:
         """fleet.autoscale.decide on what the ready replicas would record,
@@ -384,7 +474,7 @@ class Simulator(ReplicaHost):
         rule = self.config.autoscale
         assert rule is not None  # the event is pushed only with autoscaling on
         now = self.clock.now_s
-        held = [r for r in self.replicas if not r.retired]
+        held = [r for r in self.replicas if not r.retired and r.lost_at_s is None]
         ready = [r for r in held if r.ready_s <= now]
         for r in ready:
             r.catch_up()
@@ -415,7 +505,5 @@ class Simulator(ReplicaHost):
         if num_replicas < num_held:  # drain one: an idle sleeper first, else the least loaded
             leaving = min(ready, key=lambda r: (not r.sleeping, r.load))
             leaving.retired = True
-        self._all_routable = not any(r.sleeping or r.retired for r in self.replicas)
-        serving = sum(1 for r in self.replicas if not r.sleeping and not r.retired)
-        if serving != self.timeline[-1][1]:
-            self.timeline.append((now, serving))
+        self._all_routable = not any(r.sleeping or r.retired or r.lost_at_s is not None for r in self.replicas)
+        self._mark_timeline(now)

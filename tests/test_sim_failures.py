@@ -62,6 +62,14 @@ def test_without_a_replica_left_arrivals_get_the_gateways_503():
                          for r in after)
 
 
+def test_a_failure_after_the_last_request_ended_changes_nothing():
+    specs, offsets = _workload(rate=10, seconds=5)
+    base, _ = _run(specs, offsets, num_replicas=2)
+    late, _ = _run(specs, offsets, num_replicas=2, losses=(ReplicaLoss(0, 1000.0),),
+                   slowdowns=(ReplicaSlowdown(1, 2.0, from_s=1000.0),))
+    assert late.records == base.records and late.duration_s == base.duration_s < 10
+
+
 @pytest.mark.parametrize("router", ["least-loaded", "kv-aware"])
 def test_a_slow_replica_gets_fewer_new_requests_from_a_load_aware_router(router):
     specs, offsets = _workload(rate=20, seconds=20)

@@ -287,7 +287,9 @@ class Simulator(ReplicaHost):
                 continue
             _, _, kind, payload = heapq.heappop(self._events)
             if kind == _STEP_DONE and payload[1] != payload[0].step_event_id:
-                continue  # a decode run that ended early
+                continue  # a decode run that ended early (or a lost replica's step)
+            if (kind == _LOSE or kind == _SLOW) and next_arrival == len(specs) and not self._live:
+                continue  # a failure after the last request ended changes nothing
             self.clock.advance_to(event_s)
             self._handle(kind, payload, more_arrivals=next_arrival < len(specs))
 

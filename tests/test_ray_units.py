@@ -104,6 +104,20 @@ def test_app_args_from_a_dict_as_serve_run_gives_them():
         parse_app_args({"router": "nearest"})
 
 
+def test_the_autoscaling_flags_reach_the_policy_by_either_name():
+    # A Ray Serve config file's keys (deploy/ray/kvserve.yaml) and simulate's longer names.
+    from kvserve.fleet.autoscale import AutoscaleConfig
+    from kvserve.ray.app import autoscale_config
+
+    short = parse_app_args({"model": "/m", "min_replicas": 2, "max_replicas": 3, "queue_wait_target": 0.4,
+                            "kv_target": 0.7, "look_back": 3, "scale_down_delay": 2})
+    long = parse_app_args({"model": "/m", "min_replicas": 2, "max_replicas": 3, "autoscale_queue_wait_target": 0.4,
+                           "autoscale_kv_target": 0.7, "autoscale_look_back": 3, "autoscale_scale_down_delay": 2})
+    expected = AutoscaleConfig(min_replicas=2, max_replicas=3, queue_wait_target_s=0.4, kv_target=0.7,
+                               look_back_s=3.0, scale_down_delay_s=2.0)
+    assert autoscale_config(short) == autoscale_config(long) == expected
+
+
 def test_kvserve_ray_help_and_bad_bounds_without_starting_ray(capsys, monkeypatch):
     import ray
 

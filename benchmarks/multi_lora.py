@@ -7,14 +7,19 @@ Target (issue 20): the batch over 4 adapters keeps >= 0.8x the base model's
 output-token throughput.
 
 Arms (all in the same process, interleaved):
-- base: every request on the base model;
-- 4_adapters: the engine's update (model/lora.py: tokens grouped by slot,
-  two torch.bmm per fused linear, one thread on the CPU);
-- 4_adapters_torch_threads: the same update on torch's threads (what the
-  one-thread rule buys on a shared machine);
-- 4_adapters_masked: the update before it was grouped (every token through
-  every slot's stacked columns, `((x @ A) * mask) @ B`, on torch's threads),
-  reproduced here as `MaskedStep` over the same resident slots.
+- base: every request on the base model (decode steps in the one-call
+  native step, csrc's kvq_decode_layers);
+- 4_adapters: the engine as it runs: decode steps in the same native step
+  with the adapters' update inside it (kvq_lora_step: tokens grouped by
+  slot, each target's own rank), prefill layer by layer;
+- 4_adapters_per_layer: the update in torch (model/lora.LoraStep: two
+  torch.bmm per fused linear, one thread on the CPU), every step layer by
+  layer: how adapter batches ran before the native step took them;
+- 4_adapters_torch_threads (--arms): that update on torch's threads (what
+  the one-thread rule buys on a shared machine);
+- 4_adapters_masked (--arms): the update before it was grouped (every token
+  through every slot's stacked columns, `((x @ A) * mask) @ B`, on torch's
+  threads), reproduced here as `MaskedStep` over the same resident slots.
 
 The adapters are random PEFT-format folders written here (rank --rank on
 all seven projections of every layer: the most work an adapter adds), so
@@ -22,7 +27,7 @@ nothing is downloaded. Both arms decode the same number of tokens per
 request (EOS ignored) from the same prompt, and every request of the
 adapter arm runs in the same steps as the others (max_loras 4).
 
-    .venv/bin/python benchmarks/multi_lora.py [--batch 16] [--tokens 48] [--repeats 3] [--rank 16]
+    .venv/bin/python benchmarks/multi_lora.py [--batch 16] [--tokens 48] [--repeats 3] [--rank 16] [--arms ...]
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ from kvserve.model.lora import TARGET_MODULES, LoraSlots
 OUT = Path(__file__).parent / "results" / "multi_lora.json"
 PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 NUM_ADAPTERS = 4
-ADAPTER_ARMS = ("4_adapters", "4_adapters_torch_threads", "4_adapters_masked")
+ADAPTER_ARMS = ("4_adapters", "4_adapters_per_layer", "4_adapters_torch_threads", "4_adapters_masked")
+DEFAULT_ARMS = ADAPTER_ARMS[:2]
 
 
 def write_adapter(folder: Path, config, rank: int, seed: int) -> None:
@@ -107,10 +113,15 @@ class MaskedStep:
         shrunk = torch.mm(input_transform(x, norm, swiglu).to(a.dtype), a).mul_(mask)
         out += torch.mm(shrunk, b).to(out.dtype)
 
+    @staticmethod
+    def native_step() -> None:
+        return None  # layer by layer: this update exists only in torch
+
 
 def use_update(slots: LoraSlots, arm: str) -> None:
     """Point the runner's slots at the arm's update."""
-    slots.one_thread_update = arm == "4_adapters"
+    slots.one_thread_update = arm in ("4_adapters", "4_adapters_per_layer")
+    slots.native_capable = arm == "4_adapters"  # otherwise LoraStep.native_step is None: layer by layer
     if arm == "4_adapters_masked":
         slots.step = lambda slot_of_token: MaskedStep(slots, slot_of_token)  # type: ignore[method-assign]
     else:
@@ -133,7 +144,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per arm")
     parser.add_argument("--rank", type=int, default=16, help="adapter rank (also --max-lora-rank)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--arms", nargs="+", default=list(ADAPTER_ARMS), choices=ADAPTER_ARMS,
+    parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=ADAPTER_ARMS,
                         help="adapter arms beside the base")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
@@ -175,12 +186,16 @@ def main() -> None:
     load = f"load average (1 min) {min(load_averages):.1f}-{max(load_averages):.1f} on {os.cpu_count()} CPUs"
     print(f"same tokens as 4_adapters: {agree}")
     print(f"throughput 4 adapters / base: {ratios.get('4_adapters', float('nan')):.3f}x (target >= 0.8x); {load}")
+    native_gain = (median["4_adapters"]["tokens_per_s"] / median["4_adapters_per_layer"]["tokens_per_s"]
+                   if {"4_adapters", "4_adapters_per_layer"} <= set(median) else float("nan"))
+    print(f"native step with adapters / per-layer torch update: {native_gain:.3f}x")
     result = {"benchmark": "multi_lora.throughput", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{platform.machine()} {platform.processor()}".strip(),
               "torch_threads": torch.get_num_threads(), "model": "SmolLM2-135M-Instruct Q4_1 (float32 activations)",
               "batch": args.batch, "tokens_per_request": args.tokens, "adapter_rank": args.rank,
               "adapter_targets": list(TARGET_MODULES), "target": "4-adapter throughput >= 0.8x base",
               "throughput_ratio": round(ratios.get("4_adapters", float("nan")), 4),
+              "native_over_per_layer": round(native_gain, 4),
               "ratios_to_base": {n: round(r, 4) for n, r in ratios.items()},
               # each repeat's arm over the same repeat's base (adjacent in time)
               "paired_ratios_to_base": {n: [round(r["tokens_per_s"] / b["tokens_per_s"], 4)

@@ -818,34 +818,185 @@ typedef struct {
     void* kv_cache;                      /* [slots, 2, Hkv, D] */
 } kvq_layer;
 
+/* ---- LoRA adapters in the decode step -------------------------------------- */
+
+/* One fused linear's resident adapters (model/lora._GroupStack), float32:
+ * a [slots, in, width] and b [slots, width, out] with width = num_targets * R;
+ * target j of slot s has rank ranks[s * num_targets + j] (0: not targeted),
+ * its A columns and B rows j*R .. j*R + rank, its B columns (and outputs)
+ * out_offsets[j] .. out_offsets[j + 1]. Scaling is folded into b. */
+#define KVQ_LORA_MAX_TARGETS 3
+typedef struct {
+    const float *a, *b;
+    const int64_t* ranks;  /* [slots, num_targets] */
+    int64_t in, out, width, max_rank, num_targets;
+    int64_t out_offsets[KVQ_LORA_MAX_TARGETS + 1];
+} kvq_lora_linear;
+
+/* A step's adapter rows: `segments` of at most KVQ_LORA_SEG_ROWS tokens
+ * that share one slot (grouped by slot), as (slot, first, end) into `rows`,
+ * the step's token indices; tokens on the base model are in no segment. */
+#define KVQ_LORA_SEG_ROWS 8
+typedef struct {
+    const kvq_lora_linear* linears;  /* [num_layers][4]: qkv, o, gate_up, down */
+    const int64_t* rows;             /* [num_rows] */
+    const int64_t* segments;         /* [num_segments][3] */
+    int64_t num_rows, num_segments;
+} kvq_lora_step;
+
+#define KVQ_LORA_COLS 128  /* output columns per chunk of the expand job */
+
+typedef struct {
+    const kvq_lora_step* step;
+    const kvq_lora_linear* lin;
+    const void* x; int xtype; int64_t ldx; int xop; const void* norm_w; float eps;
+    void* y; int ytype; int64_t ldy;
+    float *xs, *shrunk;  /* [num_rows, in], [num_rows, width]: by position in `rows` */
+    int64_t col_blocks;  /* per segment: sum over targets of ceil(target's columns / KVQ_LORA_COLS) */
+} lora_job;
+
+/* A segment's rows transformed and multiplied by their slot's A: shrunk = f(x) A. */
+__attribute__((target_clones("avx2", "default")))
+static void lora_shrink_chunk(const void* ctx, int64_t seg) {
+    const lora_job* j = ctx;
+    const kvq_lora_linear* L = j->lin;
+    const int64_t* sg = j->step->segments + 3 * seg;
+    const int64_t slot = sg[0], first = sg[1], end = sg[2];
+    const size_t esz = j->xtype == KVQ_BF16 ? 2 : 4;
+    const float* a = L->a + slot * L->in * L->width;
+    const int64_t* ranks = L->ranks + slot * L->num_targets;
+    for (int64_t i = first; i < end; i++) {
+        const void* row = (const char*)j->x + (size_t)j->step->rows[i] * j->ldx * esz;
+        float* xs = j->xs + i * L->in;
+        if (j->xop == KVQ_X_PLAIN) for (int64_t k = 0; k < L->in; k++) xs[k] = load_x(row, j->xtype, k);
+        else transform_row(row, j->xtype, L->in, j->xop, j->norm_w, j->eps, xs);
+        memset(j->shrunk + i * L->width, 0, (size_t)L->width * sizeof(float));
+    }
+    for (int64_t k = 0; k < L->in; k++) {  /* A's row k once for every row of the segment */
+        const float* ak = a + k * L->width;
+        for (int64_t i = first; i < end; i++) {
+            const float xk = j->xs[i * L->in + k];
+            float* sh = j->shrunk + i * L->width;
+            for (int64_t t = 0; t < L->num_targets; t++) {
+                const int64_t c0 = t * L->max_rank, c1 = c0 + ranks[t];
+                for (int64_t c = c0; c < c1; c++) sh[c] += xk * ak[c];
+            }
+        }
+    }
+}
+
+/* One (segment, column block): y[row, cols] += shrunk[row] B[slot][:, cols]
+ * over the rank rows of the target owning those columns. */
+__attribute__((target_clones("avx2", "default")))
+static void lora_expand_chunk(const void* ctx, int64_t chunk) {
+    const lora_job* j = ctx;
+    const kvq_lora_linear* L = j->lin;
+    const int64_t* sg = j->step->segments + 3 * (chunk / j->col_blocks);
+    const int64_t slot = sg[0], first = sg[1], end = sg[2];
+    int64_t block = chunk % j->col_blocks, t = 0;
+    for (;; t++) {  /* the target whose columns hold this block */
+        const int64_t n = (L->out_offsets[t + 1] - L->out_offsets[t] + KVQ_LORA_COLS - 1) / KVQ_LORA_COLS;
+        if (block < n) break;
+        block -= n;
+    }
+    const int64_t rank = L->ranks[slot * L->num_targets + t];
+    if (rank == 0) return;
+    const int64_t n0 = L->out_offsets[t] + block * KVQ_LORA_COLS;
+    const int64_t n1 = n0 + KVQ_LORA_COLS < L->out_offsets[t + 1] ? n0 + KVQ_LORA_COLS : L->out_offsets[t + 1];
+    const float* b = L->b + slot * L->width * L->out;
+    float acc[KVQ_LORA_SEG_ROWS][KVQ_LORA_COLS];
+    for (int64_t i = first; i < end; i++)
+        for (int64_t n = n0; n < n1; n++) acc[i - first][n - n0] = 0.f;
+    for (int64_t c = t * L->max_rank; c < t * L->max_rank + rank; c++) {
+        const float* bc = b + c * L->out;
+        for (int64_t i = first; i < end; i++) {
+            const float s = j->shrunk[i * L->width + c];
+            float* ai = acc[i - first];
+            for (int64_t n = n0; n < n1; n++) ai[n - n0] += s * bc[n];
+        }
+    }
+    for (int64_t i = first; i < end; i++) {
+        const int64_t base = j->step->rows[i] * j->ldy;
+        for (int64_t n = n0; n < n1; n++)
+            store_y(j->y, j->ytype, base + n, load_x(j->y, j->ytype, base + n) + acc[i - first][n - n0]);
+    }
+}
+
+/* y[rows] += f(x[rows]) A_slot B_slot for one fused linear of the step's
+ * adapter rows (f: the linear's input transform xop). y is written only at
+ * the columns of targets a row's adapter has. */
+static void lora_add(const kvq_lora_step* step, const kvq_lora_linear* lin, const void* x, int xtype, int64_t ldx,
+                     int xop, const void* norm_w, float eps, void* y, int64_t ldy, float* xs, float* shrunk,
+                     int num_threads) {
+    int64_t col_blocks = 0;
+    for (int64_t t = 0; t < lin->num_targets; t++)
+        col_blocks += (lin->out_offsets[t + 1] - lin->out_offsets[t] + KVQ_LORA_COLS - 1) / KVQ_LORA_COLS;
+    int targeted = 0;  /* does any of the step's adapters target this linear? */
+    for (int64_t s = 0; s < step->num_segments && !targeted; s++)
+        for (int64_t t = 0; t < lin->num_targets; t++) targeted |= lin->ranks[step->segments[3 * s] * lin->num_targets + t] > 0;
+    if (!targeted) return;
+    lora_job j = {step, lin, x, xtype, ldx, xop, norm_w, eps, y, xtype, ldy, xs, shrunk, col_blocks};
+    parallel_chunks(num_threads, step->num_segments, lora_shrink_chunk, &j);
+    parallel_chunks(num_threads, step->num_segments * col_blocks, lora_expand_chunk, &j);
+}
+
 /* Every layer of a decode-only step (one new token per sequence, T == B), the
  * same kernels in the same order as the per-op path (model/llama.py's
  * DecoderLayer), so the result is bit for bit the same; what it saves is the
  * Python between ~5 calls per layer. residual: [T, hidden], updated in place
  * (each residual add is the matmul's own add, element by element, so y may
  * be add). Scratch: qkv [T, (H + 2 Hkv) D], attn [T, H D], gate_up [T, 2 inter].
+ * lora: the step's adapter rows (NULL: every row on the base model, and no
+ * work beyond the base step's), each fused matmul's low-rank update added to
+ * its output right after it, as model/lora.LoraStep does on the per-op path.
  * Returns 0, or -1 (a kernel refused: allocation or a head shape past the
  * attention kernel's buffers; checked before the first layer where it can be). */
 int kvq_decode_layers(const kvq_layer* layers, int64_t num_layers, void* residual, int dtype, int64_t T,
                       int64_t hidden, int64_t inter, int64_t H, int64_t Hkv, int64_t D, float eps, float scale,
                       const int64_t* positions, const void* cos, const void* sin, const int64_t* slots,
                       const int64_t* block_table, int64_t max_blocks, const int64_t* context_lens,
-                      int64_t block_size, void* qkv, void* attn, void* gate_up, int num_threads) {
+                      int64_t block_size, void* qkv, void* attn, void* gate_up, int num_threads,
+                      const kvq_lora_step* lora) {
     if (H / Hkv > KVQ_MAX_GROUP || D > KVQ_MAX_D) return -1;
     const int64_t nqkv = (H + 2 * Hkv) * D;
-    for (int64_t l = 0; l < num_layers; l++) {
-        const kvq_layer* ly = &layers[l];
-        if (kvq_matmul(ly->qkv_type, ly->qkv, nqkv, hidden, residual, dtype, hidden, KVQ_X_RMS_NORM, ly->input_norm,
-                       eps, T, qkv, dtype, nqkv, NULL, 0, 0, num_threads)) return -1;
-        kvq_rope_write_kv(qkv, dtype, T, nqkv, positions, cos, sin, slots, ly->kv_cache, H, Hkv, D, num_threads);
-        if (kvq_decode_attention(qkv, dtype, nqkv, ly->kv_cache, block_table, max_blocks, context_lens, block_size,
-                                 T, H, Hkv, D, scale, attn, num_threads)) return -1;
-        if (kvq_matmul(ly->o_type, ly->o, hidden, H * D, attn, dtype, H * D, KVQ_X_PLAIN, NULL, 0.f, T,
-                       residual, dtype, hidden, residual, dtype, hidden, num_threads)) return -1;
-        if (kvq_matmul(ly->gate_up_type, ly->gate_up, 2 * inter, hidden, residual, dtype, hidden, KVQ_X_RMS_NORM,
-                       ly->post_norm, eps, T, gate_up, dtype, 2 * inter, NULL, 0, 0, num_threads)) return -1;
-        if (kvq_matmul(ly->down_type, ly->down, hidden, inter, gate_up, dtype, 2 * inter, KVQ_X_SWIGLU, NULL, 0.f, T,
-                       residual, dtype, hidden, residual, dtype, hidden, num_threads)) return -1;
+    float *xs = NULL, *shrunk = NULL;  /* the adapter rows' inputs and f(x) A, reused by every linear */
+    if (lora != NULL && lora->num_rows > 0) {
+        int64_t max_in = 0, max_width = 0;
+        for (int64_t i = 0; i < 4 * num_layers; i++) {
+            if (lora->linears[i].in > max_in) max_in = lora->linears[i].in;
+            if (lora->linears[i].width > max_width) max_width = lora->linears[i].width;
+        }
+        xs = malloc((size_t)(lora->num_rows * (max_in + max_width)) * sizeof(float));
+        if (xs == NULL) return -1;
+        shrunk = xs + lora->num_rows * max_in;
+    } else {
+        lora = NULL;
     }
-    return 0;
+    int status = 0;
+    for (int64_t l = 0; l < num_layers && status == 0; l++) {
+        const kvq_layer* ly = &layers[l];
+        const kvq_lora_linear* ll = lora ? lora->linears + 4 * l : NULL;
+        if ((status = kvq_matmul(ly->qkv_type, ly->qkv, nqkv, hidden, residual, dtype, hidden, KVQ_X_RMS_NORM,
+                                 ly->input_norm, eps, T, qkv, dtype, nqkv, NULL, 0, 0, num_threads))) break;
+        if (ll) lora_add(lora, &ll[0], residual, dtype, hidden, KVQ_X_RMS_NORM, ly->input_norm, eps, qkv, nqkv, xs,
+                         shrunk, num_threads);
+        kvq_rope_write_kv(qkv, dtype, T, nqkv, positions, cos, sin, slots, ly->kv_cache, H, Hkv, D, num_threads);
+        if ((status = kvq_decode_attention(qkv, dtype, nqkv, ly->kv_cache, block_table, max_blocks, context_lens,
+                                           block_size, T, H, Hkv, D, scale, attn, num_threads))) break;
+        if ((status = kvq_matmul(ly->o_type, ly->o, hidden, H * D, attn, dtype, H * D, KVQ_X_PLAIN, NULL, 0.f, T,
+                                 residual, dtype, hidden, residual, dtype, hidden, num_threads))) break;
+        if (ll) lora_add(lora, &ll[1], attn, dtype, H * D, KVQ_X_PLAIN, NULL, 0.f, residual, hidden, xs, shrunk,
+                         num_threads);
+        if ((status = kvq_matmul(ly->gate_up_type, ly->gate_up, 2 * inter, hidden, residual, dtype, hidden,
+                                 KVQ_X_RMS_NORM, ly->post_norm, eps, T, gate_up, dtype, 2 * inter, NULL, 0, 0,
+                                 num_threads))) break;
+        if (ll) lora_add(lora, &ll[2], residual, dtype, hidden, KVQ_X_RMS_NORM, ly->post_norm, eps, gate_up,
+                         2 * inter, xs, shrunk, num_threads);
+        if ((status = kvq_matmul(ly->down_type, ly->down, hidden, inter, gate_up, dtype, 2 * inter, KVQ_X_SWIGLU,
+                                 NULL, 0.f, T, residual, dtype, hidden, residual, dtype, hidden, num_threads))) break;
+        if (ll) lora_add(lora, &ll[3], gate_up, dtype, 2 * inter, KVQ_X_SWIGLU, NULL, 0.f, residual, hidden, xs,
+                         shrunk, num_threads);
+    }
+    free(xs);
+    return status;
 }

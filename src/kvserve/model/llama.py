@@ -39,6 +39,11 @@ class LinearUpdates(Protocol):
     def add(self, out: Tensor, layer: int, group: str, x: Tensor, norm: tuple[Tensor, float] | None = None,
             swiglu: bool = False) -> None: ...
 
+    def native_step(self) -> ctypes.Structure | None:
+        """The same updates as csrc's kvq_lora_step, for the one-call decode
+        step (`NativeDecode`), or None where they cannot run there."""
+        ...
+
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
     """Inverse frequencies [head_dim // 2], with Llama-3 scaling when configured."""
@@ -247,8 +252,9 @@ class NativeDecode:
             for layer in layers) and first.num_heads // first.num_kv_heads <= 16 and first.head_dim <= 256
 
     def __call__(self, residual: Tensor, kv_caches: list[Tensor], cos: Tensor, sin: Tensor,
-                 meta: AttentionMetadata) -> Tensor:
-        """residual: [T, hidden] (one token per sequence), updated in place and returned."""
+                 meta: AttentionMetadata, lora: ctypes.Structure | None = None) -> Tensor:
+        """residual: [T, hidden] (one token per sequence), updated in place and returned.
+        lora: the step's adapter updates (`LinearUpdates.native_step`; None: base model only)."""
         first = self.layers[0]
         h, hkv, d = first.num_heads, first.num_kv_heads, first.head_dim
         num_tokens, hidden = residual.shape
@@ -261,7 +267,7 @@ class NativeDecode:
             num_tokens, hidden, inter, h, hkv, d, first.eps, first.scale, meta.positions.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), meta.block_table.data_ptr(),
             meta.block_table.shape[1], meta.context_lens.data_ptr(), meta.block_size, qkv.data_ptr(),
-            attn.data_ptr(), gate_up.data_ptr(), kernel_threads())
+            attn.data_ptr(), gate_up.data_ptr(), kernel_threads(), None if lora is None else ctypes.addressof(lora))
         if status != 0:
             raise MemoryError(f"the native decode step could not allocate scratch for {num_tokens} tokens")
         return residual
@@ -356,9 +362,11 @@ class LlamaModel:
         else:
             cos = self.cos.index_select(0, meta.positions).unsqueeze(1)  # [T, 1, D]
             sin = self.sin.index_select(0, meta.positions).unsqueeze(1)
-        # The one-call path has no adapter hooks: a step with adapters goes layer by layer.
-        if self.native_decode is not None and lora is None and meta.is_decode_only and meta.block_table is not None:
-            return self.native_decode(residual, kv_caches, cos, sin, meta)
+        if self.native_decode is not None and meta.is_decode_only and meta.block_table is not None:
+            # Adapters run inside the one-call step where their update can (float32 slots).
+            native_lora = None if lora is None else lora.native_step()
+            if lora is None or native_lora is not None:
+                return self.native_decode(residual, kv_caches, cos, sin, meta, native_lora)
         for layer, kv_cache in zip(self.layers, kv_caches):
             residual = layer(residual, kv_cache, cos, sin, meta, lora)
         return residual

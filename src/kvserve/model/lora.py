@@ -14,6 +14,13 @@ over the slots the step uses, and adds each row back into its token's output
 (index_add_). A base-model token is never touched; an adapter token gets
 x @ A_i @ B_i * scaling_i, as PEFT's merged weights would give.
 
+A decode-only step of a quantized model runs in one native call
+(csrc's kvq_decode_layers) with the same update inside it: `LoraStep.native_step`
+hands it the tokens sorted by slot in segments of up to 8, and per fused
+linear the kernel multiplies each segment's rows by its slot's A once per
+row of A and by B over only each target's own rank rows and output columns
+(`_GroupStack.ranks`), in float32, on the kernels' thread pool.
+
 The update's matmuls are small (rank 16): on the CPU they run on one thread.
 Torch's OpenMP team makes every member join every region, and with the
 cores shared one member waits for a descheduled other: measured here, a
@@ -24,6 +31,7 @@ their threads (the quantized kernels' own pool, or torch's for floats).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import re
@@ -39,6 +47,7 @@ from torch import Tensor
 from kvserve.model_facts.config import ModelConfig
 from kvserve.model_facts.default_model import file_sha256
 from kvserve.model.llama import input_transform
+from kvserve.model.quantized import LORA_MAX_TARGETS, LORA_SEGMENT_ROWS, NativeLoraLinear, NativeLoraStep
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -99,6 +108,23 @@ def read_lora_adapter(name: str, path: str | Path, config: ModelConfig, max_rank
     adapter_id = file_sha256(folder / ADAPTER_CONFIG)[:32] + file_sha256(weights_file)[:32]
     rank = max(a.shape[0] for a, _ in weights.values())
     return LoraAdapter(name, str(folder), adapter_id, rank, weights)
+
+
+def read_lora_identity(name: str, path: str | Path, max_rank: int) -> LoraAdapter:
+    """An adapter without its weights, for a simulated replica (server/simulated.py):
+    the folder's adapter_config.json checked as `read_lora_adapter` does,
+    its rank `r` (and rank_pattern's) at most `max_rank`, its id the hash of
+    the config and, where there is one, the weights file. `weights` is empty."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise LoraError(f"LoRA adapter {name!r}: {path} is not a folder")
+    adapter_config = _read_config(folder)
+    ranks = [adapter_config.get("r", 8), *(adapter_config.get("rank_pattern") or {}).values()]
+    if any(not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= max_rank for r in ranks):
+        raise LoraError(f"LoRA adapter {name!r}: ranks {ranks} must be integers in 1..--max-lora-rank {max_rank}")
+    weights_file = folder / ADAPTER_WEIGHTS
+    weights_hash = file_sha256(weights_file)[:32] if weights_file.is_file() else "0" * 32
+    return LoraAdapter(name, str(folder), file_sha256(folder / ADAPTER_CONFIG)[:32] + weights_hash, max(ranks), {})
 
 
 def _read_config(folder: Path) -> dict:
@@ -210,7 +236,15 @@ class _GroupStack:
         self.out_offsets = [sum(out_sizes[:j]) for j in range(len(targets))]
         self.a = torch.zeros((num_slots, in_features, width), dtype=dtype, device=device)
         self.b = torch.zeros((num_slots, width, sum(out_sizes)), dtype=dtype, device=device)
+        # each slot's rank per target (0: not targeted): the native update skips the padding
+        self.ranks = torch.zeros((num_slots, len(targets)), dtype=torch.int64)
         self.used_slots: set[int] = set()  # slots whose adapter targets this group
+
+    def native(self) -> NativeLoraLinear:
+        """csrc's view of these tensors (float32 CPU ones; they never move)."""
+        offsets = (ctypes.c_int64 * (LORA_MAX_TARGETS + 1))(*self.out_offsets, self.b.shape[2])
+        return NativeLoraLinear(self.a.data_ptr(), self.b.data_ptr(), self.ranks.data_ptr(), self.a.shape[1],
+                                self.b.shape[2], self.a.shape[2], self.max_rank, len(self.targets), offsets)
 
     def write(self, slot: int, layer: int, adapter: LoraAdapter) -> None:
         self.clear(slot)
@@ -223,11 +257,13 @@ class _GroupStack:
             col = j * self.max_rank
             self.a[slot, :, col:col + rank] = a.t().to(self.a.dtype)
             self.b[slot, col:col + rank, self.out_offsets[j]:self.out_offsets[j] + out] = b.t().to(self.b.dtype)
+            self.ranks[slot, j] = rank
             self.used_slots.add(slot)
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
+        self.ranks[slot].zero_()
         self.used_slots.discard(slot)
 
 
@@ -249,6 +285,17 @@ class LoraSlots:
         self.one_thread_update = device.type == "cpu"
         self._resident: OrderedDict[str, int] = OrderedDict()  # adapter_id -> slot, least recent first
         self.num_loads = 0  # adapters written into a slot (each eviction makes one more later)
+        # The one-call decode step's view of every stack (csrc's kvq_lora_linear
+        # per layer and group), for float32 slots on the CPU; built on first use.
+        self.native_capable = dtype == torch.float32 and device.type == "cpu"
+        self._native_linears: ctypes.Array | None = None
+
+    def native_linears(self) -> ctypes.Array:
+        """[layers * 4] kvq_lora_linear, qkv, o, gate_up, down per layer (GROUPS' order)."""
+        if self._native_linears is None:
+            entries = [groups[group].native() for groups in self.layers for group in GROUPS]
+            self._native_linears = (NativeLoraLinear * len(entries))(*entries)
+        return self._native_linears
 
     @property
     def resident_ids(self) -> list[str]:
@@ -317,6 +364,8 @@ class LoraStep:
         rows = np.flatnonzero(slot_of_token >= 0)
         self.active = set(np.unique(slot_of_token[rows]).tolist())
         self._one_thread = slots.one_thread_update
+        self._slot_of_token = slot_of_token
+        self._native: NativeLoraStep | None = None
         if not self.active:
             return
         token_slots = slot_of_token[rows]
@@ -337,6 +386,30 @@ class LoraStep:
             mask = np.zeros((hi - lo, self.tokens_per_slot, 1), dtype=np.float32)
             mask.reshape(-1)[grid] = 1
             self._pad_mask = torch.from_numpy(mask).to(device=device, dtype=slots.dtype)
+
+    def native_step(self) -> NativeLoraStep | None:
+        """This step for csrc's kvq_decode_layers: the adapter tokens sorted
+        by slot (stable) and cut into segments of at most LORA_SEGMENT_ROWS
+        tokens of one slot; None where the slots are not float32 on the CPU."""
+        if not self.slots.native_capable:
+            return None
+        if self._native is None and not self.active:
+            self._native = NativeLoraStep(ctypes.addressof(self.slots.native_linears()), None, None, 0, 0)
+        if self._native is None:
+            rows = np.flatnonzero(self._slot_of_token >= 0)
+            rows = rows[np.argsort(self._slot_of_token[rows], kind="stable")]
+            token_slots = self._slot_of_token[rows]
+            # a segment starts where the slot changes or a slot's run reaches LORA_SEGMENT_ROWS
+            run_start = np.flatnonzero(np.r_[True, token_slots[1:] != token_slots[:-1]])
+            run_of = np.repeat(run_start, np.diff(np.r_[run_start, len(rows)]))
+            starts = np.flatnonzero((np.arange(len(rows)) - run_of) % LORA_SEGMENT_ROWS == 0)
+            ends = np.r_[starts[1:], len(rows)]
+            self._rows = np.ascontiguousarray(rows, dtype=np.int64)
+            self._segments = np.ascontiguousarray(np.stack([token_slots[starts], starts, ends], axis=1),
+                                                  dtype=np.int64)
+            self._native = NativeLoraStep(ctypes.addressof(self.slots.native_linears()), self._rows.ctypes.data,
+                                          self._segments.ctypes.data, len(self._rows), len(self._segments))
+        return self._native
 
     def add(self, out: Tensor, layer: int, group: str, x: Tensor, norm: tuple[Tensor, float] | None = None,
             swiglu: bool = False) -> None:

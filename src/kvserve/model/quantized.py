@@ -67,7 +67,7 @@ def _library() -> ctypes.CDLL | None:
     lib.kvq_dequantize_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32, i32]
     lib.kvq_dequantize_rows.restype = None
     lib.kvq_decode_layers.argtypes = [ptr, i64, ptr, i32, i64, i64, i64, i64, i64, i64, f32, f32,
-                                      ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i32]
+                                      ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i32, ptr]
     lib.kvq_decode_layers.restype = i32
     lib.kvq_set_isa.argtypes = [i32]
     lib.kvq_set_isa.restype = i32
@@ -259,6 +259,28 @@ class NativeLayer(ctypes.Structure):
         weights = (qkv, o, gate_up, down)
         return cls(*(w.packed.data_ptr() for w in weights), *(QUANT_TYPES[w.qtype][0] for w in weights),
                    input_norm.data_ptr(), post_norm.data_ptr(), kv_cache.data_ptr())
+
+
+LORA_MAX_TARGETS = 3  # csrc's KVQ_LORA_MAX_TARGETS: q, k, v of the fused qkv
+LORA_SEGMENT_ROWS = 8  # csrc's KVQ_LORA_SEG_ROWS: tokens of one slot per segment
+
+
+class NativeLoraLinear(ctypes.Structure):
+    """csrc's kvq_lora_linear: one fused linear's resident adapters
+    (model/lora._GroupStack's float32 a, b and ranks tensors) as pointers."""
+
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("ranks", ctypes.c_void_p),
+                ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64), ("width", ctypes.c_int64),
+                ("max_rank", ctypes.c_int64), ("num_targets", ctypes.c_int64),
+                ("out_offsets", ctypes.c_int64 * (LORA_MAX_TARGETS + 1))]
+
+
+class NativeLoraStep(ctypes.Structure):
+    """csrc's kvq_lora_step: a step's adapter rows grouped by slot in
+    segments of (slot, first, end) into `rows` (the arrays must outlive it)."""
+
+    _fields_ = [("linears", ctypes.c_void_p), ("rows", ctypes.c_void_p), ("segments", ctypes.c_void_p),
+                ("num_rows", ctypes.c_int64), ("num_segments", ctypes.c_int64)]
 
 
 def activation_type(dtype: torch.dtype) -> int:

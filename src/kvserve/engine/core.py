@@ -29,7 +29,7 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.speculative import SpecDecodeCounts, Speculator
 from kvserve.model_facts.config import ModelConfig
 from kvserve.model.detokenizer import IncrementalDetokenizer
-from kvserve.model.lora import LoraAdapter, read_lora_adapter
+from kvserve.model.lora import LoraAdapter, read_lora_adapter, read_lora_identity
 from kvserve.model.sampler import SamplerOutput, SamplingState, TokenLogprob
 from kvserve.model.quantized import check_quantization
 from kvserve.model_facts.tokenizer import Tokenizer
@@ -170,7 +170,7 @@ class EngineCore:
         self.structured = GrammarCompiler(tokenizer, model_config.vocab_size)
         # LoRA adapters by name; the runner's slots free an adapter's slot once
         # no name and no request refers to it.
-        # (a simulated runner, server/simulated.py, serves no adapters)
+        # (a simulated runner, server/simulated.py, has no slots: its adapters are names and ids)
         slots = self.lora_slots = getattr(self.runner, "lora_slots", None)
         self.adapters = AdapterRegistry(on_dropped=None if slots is None else slots.evict)
         self.speculator = None if config.speculative_config is None else Speculator(
@@ -255,9 +255,12 @@ class EngineCore:
         """Read a PEFT adapter folder and serve it as `name` (any thread).
         Raises LoraError (a bad folder) or ValueError (LoRA not enabled, the
         name is taken or is the base model's)."""
-        if self.lora_slots is None:
+        if not self.config.enable_lora:
             raise ValueError("LoRA adapters are not enabled on this engine (enable_lora / --enable-lora)")
-        adapter = read_lora_adapter(name, path, self.model_config, self.config.max_lora_rank)
+        if self.lora_slots is None:  # a simulated runner: the adapter's name, rank and id, no weights
+            adapter = read_lora_identity(name, path, self.config.max_lora_rank)
+        else:
+            adapter = read_lora_adapter(name, path, self.model_config, self.config.max_lora_rank)
         self.adapters.add(adapter)
         return adapter
 

@@ -77,8 +77,12 @@ def _openai_routes(app: FastAPI, gateway: Gateway) -> None:
     async def models(authorization: str | None = Header(default=None)):
         gateway.authenticate(authorization)
         names = [p.model for p in gateway.pools if p.model] + list(gateway.aliases)
-        cards = [{"id": n, "object": "model", "created": int(time.time()), "owned_by": "kvserve-gateway"}
+        created = int(time.time())
+        cards = [{"id": n, "object": "model", "created": created, "owned_by": "kvserve-gateway", "parent": None}
                  for n in names]
+        # the backends' LoRA adapters, with their base model as parent (vLLM's adapter cards)
+        cards += [{"id": n, "object": "model", "created": created, "owned_by": "kvserve-gateway", "parent": parent}
+                  for n, parent in gateway.adapters().items() if n not in names]
         return {"object": "list", "data": cards}
 
     @app.get("/health")

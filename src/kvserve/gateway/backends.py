@@ -150,7 +150,8 @@ class BackendView:
         self.scrape: Scrape | None = None
         self.scraped_at: float | None = None
         self.ready = False
-        self.models: tuple[str, ...] = ()  # what its /v1/models lists
+        self.models: tuple[str, ...] = ()  # the base models its /v1/models lists
+        self.adapters: dict[str, str | None] = {}  # its LoRA adapters listed there: name -> parent model
         self.in_flight = 0  # requests the gateway has there now
         # Requests sent since the last scrape and not done: its numbers do not
         # show them yet. Each send is tagged with the scrape it followed.

@@ -40,10 +40,26 @@ class Pool:
     def label(self) -> str:
         return self.model or "default"
 
-    def eligible(self, stale_after_s: float, exclude: set[str] = frozenset()) -> list[BackendView]:
+    def eligible(self, stale_after_s: float, exclude: set[str] = frozenset(),
+                 adapter: str | None = None) -> list[BackendView]:
         """Backends that may get a request now, in configured order (the
-        router's ties and turns depend on the order)."""
-        return [v for v in self.views if v.name not in exclude and v.eligible(stale_after_s)]
+        router's ties and turns depend on the order); with `adapter`, only
+        those that list that LoRA adapter."""
+        return [v for v in self.views if v.name not in exclude and v.eligible(stale_after_s)
+                and (adapter is None or adapter in v.adapters)]
+
+    def adapters(self) -> dict[str, str | None]:
+        """The LoRA adapters its backends list (name -> parent model), first listing first."""
+        listed: dict[str, str | None] = {}
+        for view in self.views:
+            for name, parent in view.adapters.items():
+                listed.setdefault(name, parent)
+        return listed
+
+    @property
+    def listing_known(self) -> bool:
+        """Every backend's /v1/models was read (one behind a key lists nothing)."""
+        return all(v.models for v in self.views)
 
 
 class AliasPolicy:

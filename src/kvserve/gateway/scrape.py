@@ -39,8 +39,8 @@ class Scraper:
         try:
             text = await self._get_text(view.url + "/metrics")
             ready = await self._ready(view.url)
-            if not view.models:
-                view.models = await self._models(view.url)
+            # every scrape: adapters are loaded and unloaded at run time
+            view.models, view.adapters = await self._models(view.url)
             view.record_scrape(parse_metrics(text), ready)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
             if was_ready:
@@ -62,13 +62,17 @@ class Scraper:
                     return health.status == 200
             return response.status == 200
 
-    async def _models(self, url: str) -> tuple[str, ...]:
-        """The served names from /v1/models; () where it needs a key."""
+    async def _models(self, url: str) -> tuple[tuple[str, ...], dict[str, str | None]]:
+        """(base models, LoRA adapters: name -> parent) from /v1/models, where
+        a card with a `parent` (vLLM's adapter cards) is an adapter; nothing
+        where it needs a key."""
         async with self.session.get(url + "/v1/models", timeout=self._timeout) as response:
             if response.status != 200:
-                return ()
+                return (), {}
             data = await response.json(content_type=None)
         try:
-            return tuple(str(m["id"]) for m in data["data"])
-        except (KeyError, TypeError):
-            return ()
+            cards = [(str(m["id"]), m.get("parent")) for m in data["data"]]
+        except (KeyError, TypeError, AttributeError):
+            return (), {}
+        return (tuple(name for name, parent in cards if parent is None),
+                {name: str(parent) for name, parent in cards if parent is not None})

@@ -84,6 +84,7 @@ class _Placement:
 
     pool: Pool
     rename: bool = False  # send the pool's model name (an alias resolved, a smaller model)
+    adapter: str | None = None  # a LoRA adapter's name: only backends that list it
     max_tokens: int | None = None
     degraded: list[str] = field(default_factory=list)
 
@@ -158,7 +159,7 @@ class Gateway:
         headers = http_request.headers
         tenant = self.authenticate(headers.get("authorization"))
         inbound = read_inbound(kind, http_request.url.path, body, tenant.priority, headers)
-        pool = await self._pool_of(inbound)
+        pool, adapter = await self._target_of(inbound)
         request_id = f"gw-{self._id_prefix}{next(self._ids):08x}"
         max_tokens = inbound.requested_max_tokens or self.config.admission.default_max_tokens
         refusal = self.quotas.admit(request_id, tenant, inbound.num_prompt_tokens, max_tokens, inbound.is_retry)
@@ -168,7 +169,7 @@ class Gateway:
         self._num_active += 1
         streaming = False
         try:
-            response = await self._serve(request_id, inbound, tenant, pool, http_request, headers)
+            response = await self._serve(request_id, inbound, tenant, pool, http_request, headers, adapter=adapter)
             streaming = isinstance(response, StreamingResponse)  # it ends (and finishes) with its stream
             return response
         finally:
@@ -176,29 +177,50 @@ class Gateway:
                 self._num_active -= 1
                 self.quotas.on_finish(request_id)  # a no-op when the answer already did it
 
-    async def _pool_of(self, inbound: Inbound) -> Pool:
-        """The pool for the body's model; an alias chooses one."""
+    async def _target_of(self, inbound: Inbound) -> tuple[Pool, str | None]:
+        """(pool, LoRA adapter or None) for the body's model: a pool's model,
+        an alias's choice, or an adapter some backends list (the pool of
+        its base model, later filtered to those backends). 404 for a name
+        no pool, alias or listed adapter has."""
         models = {p.model for p in self.pools if p.model}
         alias = self.aliases.get(inbound.model or "")
         if alias is not None:
             chosen = self._pool_named(await alias.choose(inbound.prompt_text, inbound.requested_max_tokens, models))
             assert chosen is not None  # the config checked that every alias target is a pool
-            return chosen
+            return chosen, None
         pool = self._pool_named(inbound.model)
         if pool is not None:
-            return pool
-        if len(self.pools) == 1:  # one pool: its backends answer for any name (their own 404)
-            return self.pools[0]
+            return pool, None
+        pool = self._pool_with_adapter(inbound.model)
+        if pool is not None:
+            return pool, inbound.model
+        if len(self.pools) == 1 and (inbound.model is None or not self.pools[0].listing_known):
+            return self.pools[0], None  # no name, or backends whose names it could not read: their own answer
         raise GatewayError(404, f"model {inbound.model!r} does not exist; this gateway serves "
-                                f"{sorted(models | set(self.aliases))}", "invalid_request_error",
-                           "model_not_found", "model")
+                                f"{sorted(models | set(self.aliases) | set(self.adapters()))}",
+                           "invalid_request_error", "model_not_found", "model")
+
+    def _pool_with_adapter(self, name: str | None) -> Pool | None:
+        """The pool whose backends list the LoRA adapter `name`: the one of
+        its parent model where several do."""
+        having = [p for p in self.pools if name is not None and name in p.adapters()]
+        parent_pools = [p for p in having if p.model is not None and p.model == p.adapters()[name]]
+        return (parent_pools or having or [None])[0]
+
+    def adapters(self) -> dict[str, str | None]:
+        """Every LoRA adapter the backends list: name -> parent model."""
+        listed: dict[str, str | None] = {}
+        for pool in self.pools:
+            for name, parent in pool.adapters().items():
+                listed.setdefault(name, parent)
+        return listed
 
     def _pool_named(self, model: str | None) -> Pool | None:
         return next((p for p in self.pools if model is not None and p.model == model), None)
 
     async def _serve(self, request_id: str, inbound: Inbound, tenant: Tenant, pool: Pool, http_request,
-                     headers, ladder: bool = True) -> Response:
-        placement = _Placement(pool, rename=inbound.model in self.aliases)
+                     headers, ladder: bool = True, adapter: str | None = None) -> Response:
+        placement = _Placement(pool, rename=inbound.model in self.aliases, adapter=adapter)
         rungs = list(self.config.rungs_for(inbound.priority)) if ladder else [REJECT]
         while True:
             outcome = await self._try_pool(request_id, inbound, tenant, placement, http_request, headers)
@@ -227,7 +249,8 @@ class Gateway:
                     placement.degraded.append(f"max_tokens={cap}")
                     return rung
             elif rung == SMALLER_MODEL:
-                smaller = self._pool_named(placement.pool.smaller)
+                # an adapter runs on its own base model: a smaller one cannot serve it
+                smaller = None if placement.adapter is not None else self._pool_named(placement.pool.smaller)
                 if smaller is not None:
                     placement.pool, placement.rename = smaller, True
                     placement.degraded.append(f"model={smaller.model}")
@@ -239,9 +262,10 @@ class Gateway:
     async def _try_pool(self, request_id: str, inbound: Inbound, tenant: Tenant, placement: _Placement,
                         http_request, headers) -> Response | _Saturated:
         pool, cfg = placement.pool, self.config
-        candidates = pool.eligible(cfg.stale_after_s)
+        candidates = pool.eligible(cfg.stale_after_s, adapter=placement.adapter)
         if not candidates:
-            raise GatewayError(503, f"no backend of model {pool.label!r} is available (all ejected or not ready)",
+            serving = pool.label if placement.adapter is None else f"{pool.label!r} with adapter {placement.adapter}"
+            raise GatewayError(503, f"no backend of model {serving!r} is available (all ejected or not ready)",
                                "unavailable", "no_backend")
         max_tokens = placement.max_tokens or inbound.requested_max_tokens or cfg.admission.default_max_tokens
         num_tokens = inbound.num_prompt_tokens + max_tokens
@@ -272,7 +296,7 @@ class Gateway:
                 upstream.outcome, upstream.failure = proxy.FAILED, "broke while answering"
             else:
                 backend.on_done(sent)
-            candidates = pool.eligible(cfg.stale_after_s, exclude=tried)
+            candidates = pool.eligible(cfg.stale_after_s, exclude=tried, adapter=placement.adapter)
             if upstream.outcome == proxy.FAILED:
                 backend.breaker.record_failure()
                 log.warning("backend %s failed (%s); %d left", backend.name, upstream.failure, len(candidates))
@@ -433,9 +457,9 @@ class Gateway:
         inbound = read_inbound(kind, line.endpoint, json.dumps(body).encode(), None, headers)
         tenant = Tenant(line.tenant)
         try:
-            pool = await self._pool_of(inbound)
+            pool, adapter = await self._target_of(inbound)
             response = await self._serve(f"batch-{line.batch_id}-{line.line}", inbound, tenant, pool, None, headers,
-                                         ladder=False)
+                                         ladder=False, adapter=adapter)
         except GatewayError as exc:
             if exc.status == 429 or exc.status >= 500:  # no room or no backend after all: later
                 raise RetryLater() from None

@@ -107,6 +107,25 @@ def _add_observability_arguments(group) -> None:
                        help="with --request-log, include the prompt and output text (may be personal data)")
 
 
+def lora_config(args: argparse.Namespace):
+    """The engine's config with the LoRA flags (--lora-modules implies --enable-lora)."""
+    from dataclasses import replace
+
+    from kvserve.engine.cli import engine_config
+
+    return replace(engine_config(args), enable_lora=args.enable_lora or bool(args.lora_modules),
+                   max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+
+
+def load_lora_modules(core, args: argparse.Namespace, base_name: str) -> None:
+    """Serve each --lora-modules NAME=PATH (a simulated replica reads only
+    its config: server/simulated.py). ValueError names a bad one."""
+    for adapter_name, path in lora_modules(args.lora_modules):
+        if adapter_name == base_name:
+            raise ValueError(f"--lora-modules: {adapter_name!r} is the base model's name")
+        core.load_lora_adapter(adapter_name, path)  # LoraError (a ValueError) names a bad folder
+
+
 def configs(args: argparse.Namespace, served_model_name: str) -> tuple[AdmissionConfig, ServerConfig]:
     server = ServerConfig(
         host=args.host, port=args.port, served_model_name=served_model_name, api_keys_path=args.api_keys,
@@ -148,8 +167,10 @@ def build_serving(args: argparse.Namespace, phases=None):
     if args.simulate:
         from kvserve.server import simulated
 
-        core, versions, name = simulated.build_core(args)
-        admission, server = configs(args, args.served_model_name or name)
+        core, versions, name = simulated.build_core(args, lora_config(args))
+        name = args.served_model_name or name
+        load_lora_modules(core, args, name)
+        admission, server = configs(args, name)
         serving = Serving(core, admission, server, tenants, versions=versions)
         serving.startup = phases
         return serving
@@ -160,15 +181,10 @@ def build_serving(args: argparse.Namespace, phases=None):
         loaded = load_model(args.model, quantization=args.quantization)
     name = args.served_model_name or Path(loaded.source).name.removesuffix(".gguf")
     admission, server = configs(args, name)
-    adapters = lora_modules(args.lora_modules)
-    config = replace(engine_config(args), enable_lora=args.enable_lora or bool(adapters),
-                     max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     with phases.phase("kv_allocation"):  # the runner allocates the KV cache tensor
-        core = EngineCore(loaded.config, loaded.weights, loaded.tokenizer, config, versions=loaded.versions)
-    for adapter_name, path in adapters:
-        if adapter_name == name:
-            raise ValueError(f"--lora-modules: {adapter_name!r} is the base model's name")
-        core.load_lora_adapter(adapter_name, path)  # LoraError (a ValueError) names a bad folder
+        core = EngineCore(loaded.config, loaded.weights, loaded.tokenizer, lora_config(args),
+                          versions=loaded.versions)
+    load_lora_modules(core, args, name)
     serving = Serving(core, admission, server, tenants, versions=loaded.versions)
     serving.startup = phases
     serving.reload_weights = lambda: load_model(args.model, quantization=args.quantization).weights  # a wake from sleep level 2

@@ -111,8 +111,6 @@ def lora_config(args: argparse.Namespace):
     """The engine's config with the LoRA flags (--lora-modules implies --enable-lora)."""
     from dataclasses import replace
 
-    from kvserve.engine.cli import engine_config
-
     return replace(engine_config(args), enable_lora=args.enable_lora or bool(args.lora_modules),
                    max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
 
@@ -155,7 +153,6 @@ def build_serving(args: argparse.Namespace, phases=None):
 
     phases = phases if phases is not None else StartupPhases()
     with phases.phase("imports"):  # heavy imports only when serving
-        from dataclasses import replace
         from pathlib import Path
 
         from kvserve.engine.core import EngineCore

@@ -255,6 +255,44 @@ def test_native_decode_step_is_bit_identical_to_the_layer_by_layer_path(qtype):
         assert torch.equal(native, per_op)
 
 
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
+def test_a_verifying_step_runs_in_the_one_call_decode_with_the_causal_mask(qtype):
+    """A step of drafts under verification (1 + k tokens per sequence) beside a
+    plain decode runs every layer in the one native call, each token a row
+    whose context ends at its own position: its hidden states equal (to the
+    attention kernels' rounding) those of the same tokens run as prefill
+    chunks through SDPA's causal mask, which a draft seeing the drafts after
+    it, or the step going layer by layer, would not pass."""
+    from kvserve.contract import SamplingParams
+    from kvserve.runner.step_batch import build_step_batch
+    from kvserve.scheduler.scheduler import ScheduledChunk
+    from tests.tiny_models import random_prompts, tiny_engine, tiny_llama
+
+    engine = tiny_engine(tiny_llama(seed=4), quantization=qtype)
+    runner, model = engine.runner, engine.runner.model
+    calls = []
+    one_call = model.native_decode
+    model.native_decode = lambda *args, _f=one_call: calls.append(args[0].shape[0]) or _f(*args)  # its rows
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    contexts, drafts = random_prompts([9, 23, 14], seed=3), [(5, 17, 2), (), (40, 8)]
+    requests = [engine.new_request(c + list(d), params) for c, d in zip(contexts, drafts)]
+    blocks = [list(range(row * 10, row * 10 + 10)) for row in range(3)]  # 40 slots each, of block size 4
+
+    def forward(chunks):
+        batch = build_step_batch(chunks, runner.block_size, runner.device)
+        return model.forward(batch.token_ids, runner.kv_caches, batch.meta).clone()
+
+    forward([ScheduledChunk(r, 0, len(c) - 1, b, False) for r, c, b in zip(requests, contexts, blocks)])
+    verified = forward([ScheduledChunk(r, len(c) - 1, 1 + len(d), b, True, d)
+                        for r, c, d, b in zip(requests, contexts, drafts, blocks)])
+    assert calls == [4 + 1 + 3]  # the verifying step, in one call
+    as_prefill = forward([ScheduledChunk(r, len(c) - 1, 1 + len(d), b, True)
+                          for r, c, d, b in zip(requests, contexts, drafts, blocks)])
+    assert calls == [8]  # prefill chunks go layer by layer (SDPA)
+    torch.testing.assert_close(verified, as_prefill, atol=1e-4, rtol=1e-4)
+
+
 SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
                 "1, 2, 3, 4,", "Water boils at", "The quick brown fox", "In machine learning, a transformer is",
                 "Hello"]

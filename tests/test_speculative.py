@@ -60,6 +60,8 @@ GREEDY_CASES = {
     "mixed batch": dict(lengths=[8, 30, 17, 44, 12], fields={}),
     "chunked prefill": dict(lengths=[40, 22, 60], fields={"max_num_batched_tokens": 7}),
     "preemption": dict(lengths=[30, 28, 26, 24], fields={"num_blocks": 40}),
+    # verification in the one native decode call (quantized weights)
+    "quantized": dict(lengths=[8, 30, 17], fields={"quantization": "q8_0"}),
 }
 
 

@@ -39,6 +39,12 @@ class AttentionMetadata:
                    tokens (read by the CUDA decode kernel; None where not built)
     block_table:   [B, max_blocks] int64, each sequence's cache blocks (read in
                    place by the native CPU decode kernel; None where not built)
+    query_block_table, query_context_lens: [T, max_blocks] and [T] int64, each
+                   query token as a sequence of its own: its sequence's blocks and
+                   the context it sees (its position + 1, which is the causal
+                   mask). Built for a step of decodes and verifications (1 + k
+                   tokens), so the native decode kernels verify drafts too;
+                   None otherwise (a decode-only step's rows are block_table's)
     """
 
     positions: Tensor
@@ -51,10 +57,23 @@ class AttentionMetadata:
     context_lens: Tensor | None = None
     block_table: Tensor | None = None
     block_size: int = 0
+    query_block_table: Tensor | None = None
+    query_context_lens: Tensor | None = None
 
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    def decode_rows(self) -> tuple[Tensor, Tensor] | None:
+        """(block table, context lengths) with one row per query token, for the
+        native decode kernels, which attend one query per row over its
+        row's context; None when the step has tokens that are neither a decode
+        nor a draft under verification (prefill: SDPA)."""
+        if self.query_block_table is not None and self.query_context_lens is not None:
+            return self.query_block_table, self.query_context_lens
+        if self.is_decode_only and self.block_table is not None and self.context_lens is not None:
+            return self.block_table, self.context_lens
+        return None
 
 
 def paged_attention(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
@@ -97,7 +116,8 @@ def native_attention(qkv: Tensor, kv_cache: Tensor, cos: Tensor, sin: Tensor, me
     qkv: [T, (H + 2 * Hkv) * D], q and k rotated in place; cos/sin: the whole
     [max_positions, D] tables; kv_cache: this layer's [slots, 2, Hkv, D].
     Returns [T, H * D]. Decode-only steps read each sequence's K/V in place
-    through its block table (memory bounded by the batch, not the context);
+    through its block table (memory bounded by the batch, not the context),
+    and so do a verification's 1 + k tokens, one row each (`decode_rows`);
     steps with prefill chunks go through `paged_attention` (SDPA)."""
     lib = require_kernels()
     dtype = activation_type(qkv.dtype)
@@ -106,11 +126,13 @@ def native_attention(qkv: Tensor, kv_cache: Tensor, cos: Tensor, sin: Tensor, me
     lib.kvq_rope_write_kv(qkv.data_ptr(), dtype, num_tokens, qkv.stride(0), meta.positions.data_ptr(),
                           cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), kv_cache.data_ptr(),
                           h, hkv, d, kernel_threads())
-    if meta.is_decode_only and meta.block_table is not None:
+    rows = meta.decode_rows()
+    if rows is not None:
+        block_table, context_lens = rows
         out = torch.empty((num_tokens, h * d), dtype=qkv.dtype)
         status = lib.kvq_decode_attention(qkv.data_ptr(), dtype, qkv.stride(0), kv_cache.data_ptr(),
-                                          meta.block_table.data_ptr(), meta.block_table.shape[1],
-                                          meta.context_lens.data_ptr(), meta.block_size, meta.num_seqs,
+                                          block_table.data_ptr(), block_table.shape[1],
+                                          context_lens.data_ptr(), meta.block_size, num_tokens,
                                           h, hkv, d, scale, out.data_ptr(), kernel_threads())
         if status == 0:
             return out  # else: a head shape past the kernel's buffers: SDPA below

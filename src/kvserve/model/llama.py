@@ -237,7 +237,11 @@ class NativeDecode:
     """A decode-only step's layers in one native call (csrc's kvq_decode_layers):
     the per-op path's kernels in its order, so the same bits, without the Python
     between ~5 kernel calls per layer (about a quarter of a batch-1 step's CPU).
-    For CPU models whose every layer is four QuantizedWeights and no bias."""
+    A step verifying drafts runs here too: each of a sequence's 1 + k tokens is
+    a row of its own whose context ends at its position (meta.decode_rows), and
+    every row's K/V is written before any row attends, so a draft sees the
+    drafts before it. For CPU models whose every layer is four QuantizedWeights
+    and no bias."""
 
     def __init__(self, layers: list[DecoderLayer]) -> None:
         self.layers = layers
@@ -253,8 +257,12 @@ class NativeDecode:
 
     def __call__(self, residual: Tensor, kv_caches: list[Tensor], cos: Tensor, sin: Tensor,
                  meta: AttentionMetadata, lora: ctypes.Structure | None = None) -> Tensor:
-        """residual: [T, hidden] (one token per sequence), updated in place and returned.
+        """residual: [T, hidden] (one row per meta.decode_rows()), updated in place and returned.
         lora: the step's adapter updates (`LinearUpdates.native_step`; None: base model only)."""
+        rows = meta.decode_rows()
+        if rows is None:
+            raise ValueError("a step with prefill tokens has no one-call decode")
+        block_table, context_lens = rows
         first = self.layers[0]
         h, hkv, d = first.num_heads, first.num_kv_heads, first.head_dim
         num_tokens, hidden = residual.shape
@@ -265,8 +273,8 @@ class NativeDecode:
         status = require_kernels().kvq_decode_layers(
             self._layer_table(kv_caches), len(self.layers), residual.data_ptr(), activation_type(residual.dtype),
             num_tokens, hidden, inter, h, hkv, d, first.eps, first.scale, meta.positions.data_ptr(),
-            cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), meta.block_table.data_ptr(),
-            meta.block_table.shape[1], meta.context_lens.data_ptr(), meta.block_size, qkv.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), block_table.data_ptr(),
+            block_table.shape[1], context_lens.data_ptr(), meta.block_size, qkv.data_ptr(),
             attn.data_ptr(), gate_up.data_ptr(), kernel_threads(), None if lora is None else ctypes.addressof(lora))
         if status != 0:
             raise MemoryError(f"the native decode step could not allocate scratch for {num_tokens} tokens")
@@ -362,7 +370,7 @@ class LlamaModel:
         else:
             cos = self.cos.index_select(0, meta.positions).unsqueeze(1)  # [T, 1, D]
             sin = self.sin.index_select(0, meta.positions).unsqueeze(1)
-        if self.native_decode is not None and meta.is_decode_only and meta.block_table is not None:
+        if self.native_decode is not None and meta.decode_rows() is not None:
             # Adapters run inside the one-call step where their update can (float32 slots).
             native_lora = None if lora is None else lora.native_step()
             if lora is None or native_lora is not None:

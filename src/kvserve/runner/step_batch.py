@@ -76,11 +76,16 @@ def build_step_batch(chunks: Sequence["ScheduledChunk"], block_size: int,
     if drafting:  # a verifying chunk samples all its rows
         sample_rows = np.concatenate([np.arange(cu_tokens[i], cu_tokens[i + 1]) if chunks[i].spec_token_ids
                                       else cu_tokens[i + 1:i + 2] - 1 for i in sampling])
+    # A step of decodes and verifications only: each token a row of its own
+    # for the native decode kernels (its sequence's blocks, context up to it).
+    query_rows = max_query_len > 1 and all(c.num_new_tokens == 1 + len(c.spec_token_ids) for c in chunks)
     meta = AttentionMetadata(
         positions=to(positions), slot_mapping=to(slot_mapping), query_index=to(query_index),
         context_slots=to(context_slots), attn_mask=None if attn_mask is None else to(attn_mask),
         num_seqs=num_seqs, max_query_len=max_query_len, context_lens=to(context_lens),
-        block_table=to(block_table), block_size=block_size)
+        block_table=to(block_table), block_size=block_size,
+        query_block_table=to(block_table[seq_of_token]) if query_rows else None,
+        query_context_lens=to(positions + 1) if query_rows else None)
     return StepBatch(
         token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device), meta=meta,
         sample_rows=to(sample_rows), sample_requests=[chunks[i].request for i in sampling],

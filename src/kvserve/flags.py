@@ -105,6 +105,18 @@ def add_speculative_arguments(group: ArgumentTarget) -> None:
              'step in "probe_interval_steps", default 16), nor one with a grammar, penalties or logit_bias')
 
 
+def add_simulated_speculation_arguments(group: ArgumentTarget) -> None:
+    """What a simulation knows of speculation instead of a proposer (sim/speculation.SimSpeculation):
+    `kvserve simulate` and `kvserve serve --simulate`."""
+    group.add_argument("--spec-acceptance-rate", type=float, default=None,
+                       help="simulate speculative decoding (--speculative-config's k and policy; ngram by "
+                            "default): each draft is accepted with this probability (0..1) given the ones "
+                            "before it were; kvserve bench's server acceptance figures measure it")
+    group.add_argument("--spec-proposer-cost-ms", type=float, default=0.0,
+                       help="with --spec-acceptance-rate: proposer time per draft position per step "
+                            "(milliseconds; a draft model's decode step, ~0 for prompt lookup)")
+
+
 def add_admission_arguments(group: ArgumentTarget) -> None:
     """The promise the front door defends and its limits (AdmissionConfig)."""
     a = _ADMISSION

@@ -136,10 +136,12 @@ class EngineCore:
                  clock: Callable[[], float] = time.monotonic, runner=None) -> None:
         """runner: in place of the torch ModelRunner built from `weights`, any
         object with its `num_blocks`, `num_graph_captures` and `execute()`
-        (`kvserve serve --simulate`: sim.simulated_runner.SimulatedRunner)."""
-        if runner is not None and config.speculative_config is not None:
-            raise ValueError("speculative decoding needs the model runner; `kvserve simulate "
-                             "--spec-acceptance-rate` simulates it")
+        (`kvserve serve --simulate`: sim.simulated_runner.SimulatedRunner);
+        with speculation it must be one that simulates it (a `draft_token_id`)."""
+        placeholder = None if runner is None else getattr(runner, "draft_token_id", None)
+        if runner is not None and config.speculative_config is not None and placeholder is None:
+            raise ValueError("speculative decoding needs the model runner, or a simulated runner given an "
+                             "acceptance rate (--spec-acceptance-rate)")
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.config = config
@@ -174,7 +176,8 @@ class EngineCore:
         slots = self.lora_slots = getattr(self.runner, "lora_slots", None)
         self.adapters = AdapterRegistry(on_dropped=None if slots is None else slots.evict)
         self.speculator = None if config.speculative_config is None else Speculator(
-            config.speculative_config, self.scheduler, self._draft_model(config.speculative_config))
+            config.speculative_config, self.scheduler,
+            None if placeholder is not None else self._draft_model(config.speculative_config), placeholder)
 
     def _draft_model(self, config: SpeculativeConfig):
         if config.method != "draft_model":

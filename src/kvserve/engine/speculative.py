@@ -8,7 +8,9 @@ once a step is applied: its verifications are counted (vLLM's spec_decode
 counters, and each request's acceptance for the policy), then every running
 request about to decode that the policy lets speculate
 (scheduler/speculation.py) gets drafts from the proposer: prompt lookup
-(runner/ngram_proposer.py) or a draft model (runner/draft_model.py).
+(runner/ngram_proposer.py) or a draft model (runner/draft_model.py); under
+a simulated runner (`kvserve serve --simulate`), k copies of its placeholder
+token, whose fate the runner draws at the simulated acceptance rate.
 """
 
 from __future__ import annotations
@@ -73,10 +75,13 @@ class SpecDecodeCounts:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, scheduler: Scheduler,
-                 draft_model: "DraftModelProposer | None" = None) -> None:
-        if (config.method == "draft_model") != (draft_model is not None):
+                 draft_model: "DraftModelProposer | None" = None, placeholder_token_id: int | None = None) -> None:
+        """placeholder_token_id: a simulated runner's draft token, proposed in
+        place of either proposer's drafts (method and model then unused)."""
+        if placeholder_token_id is None and (config.method == "draft_model") != (draft_model is not None):
             raise ValueError(f"method {config.method!r} needs a draft model exactly when it is draft_model")
         self.config = config
+        self.placeholder_token_id = placeholder_token_id
         self.scheduler = scheduler
         self.policy = SpeculationPolicy(config)
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -122,8 +127,10 @@ class Speculator:
             if chosen:
                 self.draft_probs = self.draft_model.propose(chosen)
             return
+        placeholder = self.placeholder_token_id
         for request, num_drafts in chosen:
-            request.spec_token_ids = self.ngram.propose(request.all_token_ids, num_drafts)
+            request.spec_token_ids = (self.ngram.propose(request.all_token_ids, num_drafts) if placeholder is None
+                                      else [placeholder] * num_drafts)
 
     def _num_drafts(self, request: Request, sampling_states: Mapping[str, object]) -> int:
         params = request.sampling_params

@@ -15,11 +15,19 @@ neither cost model has an adapter term, and on the accelerators they
 model a rank-16 adapter on every projection adds ~0.6% to a 7B layer's
 weight read and FLOPs per distinct adapter (on this project's CPU, where the base model
 is 135M parameters and quantized, the real figure is larger: see
-benchmarks/multi_lora.py)."""
+benchmarks/multi_lora.py).
+
+Speculative decoding is simulated as in `kvserve simulate` too
+(--speculative-config with --spec-acceptance-rate, --spec-proposer-cost-ms):
+the engine's speculator and policy, drafts' fates drawn by the runner,
+spec_decode metrics as a live server's."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
+
+from kvserve import flags
 
 ROOFLINE_DEFAULTS = {"memory": None, "reserve": "10%", "compute_efficiency": 0.5, "bandwidth_efficiency": 0.8,
                      "step_overhead_ms": 2.0, "kv_dtype": "bfloat16"}
@@ -36,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--hardware", default="h100",
                        help="with --simulate: accelerator preset (h100, h200, a100, l4) for a roofline cost "
                             "model, or a profile JSON from `kvserve profile`")
+    flags.add_simulated_speculation_arguments(group)
 
 
 def build_core(args: argparse.Namespace, config=None):
@@ -47,7 +56,7 @@ def build_core(args: argparse.Namespace, config=None):
     from kvserve.model_facts.default_model import default_model_path
     from kvserve.model_facts.source import load_tokenizer
     from kvserve.plan.presets import resolve_model
-    from kvserve.sim.cli import cost_model_and_num_blocks
+    from kvserve.sim.cli import cost_model_and_num_blocks, sim_speculation
     from kvserve.sim.simulated_runner import SimulatedRunner, word_vocabulary
 
     model_path = args.model if args.model or args.preset else str(default_model_path())
@@ -57,9 +66,13 @@ def build_core(args: argparse.Namespace, config=None):
     cost_model, num_blocks = cost_model_and_num_blocks(sizing, spec)
     tokenizer = load_tokenizer(args.model if args.preset is None else None)
     excluded = set(tokenizer.eos_token_ids) | set(tokenizer.special_token_ids)
-    runner = SimulatedRunner(cost_model, num_blocks, word_vocabulary(tokenizer.encode, excluded))
-    # its KV memory and dtype size no tensor: the runner is simulated
+    speculation = sim_speculation(args, seed=getattr(args, "seed", None) or 0)
+    runner = SimulatedRunner(cost_model, num_blocks, word_vocabulary(tokenizer.encode, excluded),
+                             speculation=speculation)
+    # Its KV memory and dtype size no tensor (the runner is simulated); the
+    # speculation's config is the one parsed with its defaults.
     config = engine_config(args) if config is None else config
+    config = replace(config, speculative_config=None if speculation is None else speculation.config)
     versions = ResolvedVersions(f"sim-{spec.name}-{args.hardware}", tokenizer.content_hash(),
                                 tokenizer.chat_template_hash())
     core = EngineCore(spec.config, None, tokenizer, config, versions=versions, runner=runner)

@@ -124,13 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="failure scenario: replica INDEX's steps take FACTOR (> 1) x as long, from SECONDS "
                           "(default: throughout); the router sees its stats as they are (repeatable)")
     flags.add_speculative_arguments(sim)
-    sim.add_argument("--spec-acceptance-rate", type=float, default=None,
-                     help="simulate speculative decoding (--speculative-config's k and policy; ngram by "
-                          "default): each draft is accepted with this probability (0..1) given the ones "
-                          "before it were; kvserve bench's server acceptance figures measure it")
-    sim.add_argument("--spec-proposer-cost-ms", type=float, default=0.0,
-                     help="with --spec-acceptance-rate: proposer time per draft position per step "
-                          "(milliseconds; a draft model's decode step, ~0 for prompt lookup)")
+    flags.add_simulated_speculation_arguments(sim)
 
 
 def replica_counts(text: str) -> tuple[int, ...]:
@@ -237,14 +231,17 @@ def sim_config(args: argparse.Namespace, spec: ModelSpec, num_blocks: int) -> Si
         losses=tuple(args.fail_replica), slowdowns=tuple(args.slow_replica))
 
 
-def sim_speculation(args: argparse.Namespace) -> SimSpeculation | None:
-    """--spec-acceptance-rate and friends -> the simulated speculation (None: off)."""
+def sim_speculation(args: argparse.Namespace, seed: int | None = None) -> SimSpeculation | None:
+    """--spec-acceptance-rate and friends -> the simulated speculation (None:
+    off); seed: its draws' (default --seed). `kvserve simulate` and `kvserve
+    serve --simulate` both read it."""
     if args.spec_acceptance_rate is None:
         if args.speculative_config is not None:
             raise ValueError("--speculative-config in a simulation needs --spec-acceptance-rate")
         return None
     config = SpeculativeConfig.parse(args.speculative_config) or SpeculativeConfig()
-    return SimSpeculation(args.spec_acceptance_rate, args.spec_proposer_cost_ms / 1000.0, config, args.seed)
+    return SimSpeculation(args.spec_acceptance_rate, args.spec_proposer_cost_ms / 1000.0, config,
+                          args.seed if seed is None else seed)
 
 
 def report_rows_every(num_requests: int) -> int:

@@ -41,6 +41,19 @@ class SimSpeculation:
         if not self.proposer_cost_s >= 0:
             raise ValueError(f"proposer_cost_s must be >= 0 seconds, got {self.proposer_cost_s}")
 
+    def num_accepted(self, rng: random.Random, num_drafts: int) -> int:
+        """Drafts accepted of `num_drafts`: each with acceptance_rate, while
+        the ones before it were."""
+        n = 0
+        while n < num_drafts and rng.random() < self.acceptance_rate:
+            n += 1
+        return n
+
+    def proposer_time_s(self, longest_drafts: int) -> float:
+        """The proposer's time for a step whose longest draft is this long:
+        one draft position per pass over the batch."""
+        return longest_drafts * self.proposer_cost_s
+
 
 class SimulatedDrafts:
     """One replica's drafts: proposed after each step, judged when verified."""
@@ -56,14 +69,11 @@ class SimulatedDrafts:
     def judge(self, out: SchedulerOutput) -> dict[str, int]:
         """request_id -> drafts accepted, for the step's verifying chunks."""
         accepted = {}
-        rate, rng = self.speculation.acceptance_rate, self.rng
         for chunk in out.chunks:
             drafts = len(chunk.spec_token_ids)
             if not drafts:
                 continue
-            n = 0
-            while n < drafts and rng.random() < rate:
-                n += 1
+            n = self.speculation.num_accepted(self.rng, drafts)
             rid = chunk.request.request_id
             accepted[rid] = n
             self.policy.record(rid, drafts, n)
@@ -84,7 +94,7 @@ class SimulatedDrafts:
             if n > 0 and self.policy.request_allows(request.request_id):
                 request.spec_token_ids = [self.draft_token_id] * n
                 longest = max(longest, n)
-        return longest * self.speculation.proposer_cost_s
+        return self.speculation.proposer_time_s(longest)
 
     def forget(self, request_id: str) -> None:
         self.policy.forget(request_id)

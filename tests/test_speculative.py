@@ -350,3 +350,31 @@ def test_sleep_frees_the_draft_models_kv_cache_too_and_wakes_to_the_same_output(
     assert after == before
     assert engine.speculator.totals.num_accepted_tokens > accepted  # the draft drafts again after the wake
     assert engine.speculator.draft_model.sampler is engine.runner.sampler  # one seed rule, the new runner's
+
+
+def test_the_kv_budget_pays_for_the_draft_models_cache_too(hf, folders, caplog):
+    """--kv-cache-memory covers the draft model's cache as well as the
+    target's: both hold the same number of blocks, split by bytes per block
+    (the tiny draft has the target's shape: half the blocks each), and the
+    start-up log states the split."""
+    from kvserve.runner.model_runner import kv_bytes_per_block
+
+    spec = {**NGRAM, "method": "draft_model", "model": folders["near"]}
+    with caplog.at_level("INFO", logger="kvserve.engine.core"):
+        engine = tiny_engine(hf, speculative_config=spec, num_blocks=64)
+    target, draft = engine.runner, engine.speculator.draft_model.draft
+    budget = engine.config.kv_cache_memory_bytes
+    target_block = kv_bytes_per_block(target.config, target.block_size, target.dtype)
+    draft_block = kv_bytes_per_block(draft.config, draft.block_size, draft.dtype)
+    assert budget == 64 * target_block and draft_block == target_block
+    assert target.num_blocks == draft.num_blocks == 32 == engine.scheduler.kv_cache.num_blocks
+    assert target.num_blocks * target_block + draft.num_blocks * draft_block <= budget
+    assert engine.memory_bytes()["kv_cache"] == sum(r.kv_cache.numel() * r.kv_cache.element_size()
+                                                    for r in (target, draft))  # both caches resident
+    split = [r.getMessage() for r in caplog.records if "shared by the target and its draft model" in r.getMessage()]
+    mib = target_block * 32 / 2**20
+    assert split == [f"KV cache budget {2 * mib:.1f} MiB shared by the target and its draft model: target "
+                     f"{mib:.1f} MiB, draft {mib:.1f} MiB, 32 blocks of 4 tokens each"]
+    prompts = repetitive_prompts([20])
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert token_ids(run_to_completion(engine, prompts, params)) == token_ids(run(hf, prompts, params)[1])

@@ -62,7 +62,8 @@ def add_kv_cache_arguments(group: ArgumentTarget, *, kv_cache_memory_default: st
                            kv_cache_memory_default_text: str | None = None) -> None:
     """The paged KV cache. `kv_cache_memory_default_text` says what a
     command does without --kv-cache-memory when it has no fixed default."""
-    help_text = "KV cache size in bytes with a unit (e.g. 512MiB, 2GiB)"
+    help_text = ("KV cache size in bytes with a unit (e.g. 512MiB, 2GiB); with a speculative draft model, "
+                 "both models' caches (as many blocks each, split by bytes per block)")
     if kv_cache_memory_default_text is not None:
         help_text += f"; default: {kv_cache_memory_default_text}"
     group.add_argument("--kv-cache-memory", default=kv_cache_memory_default, help=help_text)

@@ -13,6 +13,7 @@ started) and whether it captured a CUDA graph.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -27,19 +28,22 @@ from kvserve.contract import InvalidParameter, Request, RequestFactory, RequestS
 from kvserve.engine.adapters import AdapterRegistry
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.speculative import SpecDecodeCounts, Speculator
+from kvserve.model_facts import memory
 from kvserve.model_facts.config import ModelConfig
 from kvserve.model.detokenizer import IncrementalDetokenizer
 from kvserve.model.lora import LoraAdapter, read_lora_adapter, read_lora_identity
 from kvserve.model.sampler import SamplerOutput, SamplingState, TokenLogprob
 from kvserve.model.quantized import check_quantization
 from kvserve.model_facts.tokenizer import Tokenizer
-from kvserve.runner.model_runner import ModelRunner
+from kvserve.model.device import resolve_dtype
+from kvserve.runner.model_runner import ModelRunner, kv_bytes_per_block
 from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from kvserve.structured import CompiledGrammar, GrammarCompiler
 
 if TYPE_CHECKING:
     from kvserve.runner.draft_model import DraftModelProposer
 
+log = logging.getLogger(__name__)
 # How long an idle step waits for a grammar compile before returning empty.
 COMPILE_WAIT_S = 0.05
 
@@ -184,7 +188,14 @@ class EngineCore:
             return None
         from kvserve.runner.draft_model import DraftModelProposer
 
-        return DraftModelProposer.load(config, self.runner, self.scheduler)
+        proposer = DraftModelProposer.load(config, self.runner, self.scheduler)
+        target, draft = self.runner, proposer.draft
+        target_bytes = target.num_blocks * kv_bytes_per_block(target.config, target.block_size, target.dtype)
+        draft_bytes = draft.num_blocks * kv_bytes_per_block(draft.config, draft.block_size, draft.dtype)
+        log.info("KV cache budget %.1f MiB shared by the target and its draft model: target %.1f MiB, draft "
+                 "%.1f MiB, %d blocks of %d tokens each", target.kv_cache_memory_bytes / 2**20, target_bytes / 2**20,
+                 draft_bytes / 2**20, target.num_blocks, target.block_size)
+        return proposer
 
     def _build_runner(self, weights: dict[str, torch.Tensor] | None) -> ModelRunner:
         config = self.config
@@ -194,7 +205,19 @@ class EngineCore:
             max_model_len=self.max_model_len, seed=config.seed,
             max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
             quantization=config.quantization, max_loras=config.max_loras if config.enable_lora else None,
-            max_lora_rank=config.max_lora_rank)
+            max_lora_rank=config.max_lora_rank, extra_kv_bytes_per_block=self._draft_kv_bytes_per_block())
+
+    def _draft_kv_bytes_per_block(self) -> int:
+        """A draft model's KV bytes per block (0 without one): --kv-cache-memory
+        pays for its cache too, which holds as many blocks as the target's
+        (runner/draft_model.py), so the budget is split by bytes per block."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return 0
+        from kvserve.model_facts.source import read_model_config
+
+        draft = read_model_config(spec.model)  # its configuration only: the weights load with the proposer
+        return memory.kv_bytes_per_block(draft, self.config.block_size, resolve_dtype(self.config.dtype).itemsize)
 
     # -- sleep and wake (vLLM's levels) ---------------------------------------
     def sleep(self, level: int) -> int:
@@ -400,8 +423,15 @@ class EngineCore:
 
     def memory_bytes(self) -> dict[str, int]:
         """Resident bytes by kind: weights, kv_cache (the preallocated
-        tensor) and workspace (ModelRunner.workspace_bytes)."""
-        return self.runner.memory_bytes()
+        tensor) and workspace (ModelRunner.workspace_bytes), a draft model's included."""
+        resident = self.runner.memory_bytes()
+        if self._draft is not None:  # the draft's share of the process's memory, out of the workspace
+            draft = self._draft.draft.memory_bytes()
+            own = draft["weights"] + draft["kv_cache"]
+            resident["weights"] += draft["weights"]
+            resident["kv_cache"] += draft["kv_cache"]
+            resident["workspace"] = max(0, resident["workspace"] - own)
+        return resident
 
     def prefix_hit_tokens(self, request: Request) -> int:
         """Tokens of a request not yet added that the prefix cache would serve

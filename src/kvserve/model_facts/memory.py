@@ -53,11 +53,14 @@ def blocks_in(kv_cache_bytes: int, bytes_per_block: int) -> int:
     return max(0, kv_cache_bytes) // bytes_per_block
 
 
-def num_kv_blocks(kv_cache_bytes: int, config: ModelConfig, block_size: int, kv_dtype_bytes: float) -> int:
+def num_kv_blocks(kv_cache_bytes: int, config: ModelConfig, block_size: int, kv_dtype_bytes: float,
+                  extra_bytes_per_block: int = 0) -> int:
     """Blocks of a KV cache of `kv_cache_bytes` for `config` with elements
     of `kv_dtype_bytes`: what the runner allocates and what the simulator
-    and planner count. ValueError when not even one block fits."""
-    per_block = kv_bytes_per_block(config, block_size, kv_dtype_bytes)
+    and planner count. extra_bytes_per_block: what each block also costs in
+    the same budget elsewhere (a draft model's cache holds as many blocks).
+    ValueError when not even one block fits."""
+    per_block = kv_bytes_per_block(config, block_size, kv_dtype_bytes) + extra_bytes_per_block
     num_blocks = blocks_in(kv_cache_bytes, per_block)
     if num_blocks < 1:
         raise ValueError(f"a KV cache of {kv_cache_bytes} bytes holds no block: one block of "

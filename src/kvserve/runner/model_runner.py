@@ -63,10 +63,13 @@ class ModelRunner:
                  block_size: int = 16, dtype: str | torch.dtype = "float32",
                  device: torch.device | str | None = None, max_model_len: int | None = None,
                  seed: int = 0, max_num_seqs: int = 64, enforce_eager: bool = False,
-                 quantization: str = "auto", max_loras: int | None = None, max_lora_rank: int = 16) -> None:
+                 quantization: str = "auto", max_loras: int | None = None, max_lora_rank: int = 16,
+                 extra_kv_bytes_per_block: int = 0) -> None:
         """weights: HF-named float tensors or QuantizedWeights (model/loader.py);
         quantization: what they are computed in (model/quantized.prepare_weights).
         kv_cache_memory_bytes None: auto_kv_cache_bytes of the resident weights.
+        extra_kv_bytes_per_block: a draft model's KV bytes per block, which the
+        same budget pays for (it holds as many blocks): fewer blocks here.
         max_loras: LoRA adapter slots (None: no adapters), each of rank up to max_lora_rank."""
         self.config = config
         self.device = resolve_device(device)
@@ -79,7 +82,8 @@ class ModelRunner:
         if kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = auto_kv_cache_bytes(self.weight_bytes)
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
-        self.num_blocks = memory.num_kv_blocks(kv_cache_memory_bytes, config, block_size, self.dtype.itemsize)
+        self.num_blocks = memory.num_kv_blocks(kv_cache_memory_bytes, config, block_size, self.dtype.itemsize,
+                                               extra_kv_bytes_per_block)
         # [layers, slots, 2 (K, V), kv_heads, head_dim]: the pool's blocks, then one
         # scratch slot outside them that graph padding writes to and reads from.
         # The eager path reads a block slot only after writing it; the scratch slot

@@ -34,7 +34,8 @@ def _parser(module) -> argparse.ArgumentParser:
 def test_kv_cache_memory_has_one_default_stated_in_help(capsys, command):
     text = _help(capsys, command)
     assert re.search(r"--kv-cache-memory KV_CACHE_MEMORY KV cache size in bytes with a unit "
-                     r"\(e\.g\. 512MiB, 2GiB\) \(default: 1GiB\)", text), text
+                     r"\(e\.g\. 512MiB, 2GiB\); with a speculative draft model, both models' caches "
+                     r"\(as many blocks each, split by bytes per block\) \(default: 1GiB\)", text), text
 
 
 def test_the_engine_and_offline_api_default_to_the_same_kv_cache():

@@ -8,8 +8,8 @@ Workloads (greedy, chat template, natural stops up to --max-tokens):
 Configurations, one engine each (same weights, same KV size):
 - off: no speculation;
 - ngram: prompt lookup, k = 4, n in 2..4, with the default when-not-to-
-  speculate policy (no drafts in steps decoding more than 8 sequences, nor
-  for requests whose acceptance EWMA is below 0.15, but a probe step);
+  speculate policy (no drafts in steps decoding more than 3 sequences, nor
+  for requests whose acceptance EWMA is below 0.25, but a probe step);
 - ngram-always: the same drafts with the policy off, to show where it loses.
 At batch sizes 1, 4 and 16 (that many requests added at once, run to the
 end). Rounds interleave the configurations, so a drifting shared machine

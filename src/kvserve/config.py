@@ -219,6 +219,15 @@ class SpeculativeConfig:
       draft tokens accepted (an EWMA over recent drafts) is below this, except
       one probe step in every `probe_interval_steps` that keeps the
       measurement alive (0 disables the rule).
+    The defaults (3 and 0.25) are where speculation with k = 4 stops paying
+    on the default model on a CPU, measured with verification in the
+    one-call decode step (process CPU per step, 2 cores under load): the
+    step's matmuls are compute-bound, so a row costs about the same whether
+    it is a draft or another sequence's token. Verifying 4 drafts of one
+    sequence costs ~2x a decode step (15 -> 30 ms), so 1 + 4 x rate tokens
+    per step pay from rate ~0.25; at batch 4 the step costs ~4x (23 -> 96
+    ms), more than even prompt lookup's 0.88 acceptance on a copying answer
+    (3.9 tokens) gains; batch 3 (~3x) still gains at that acceptance.
     """
 
     method: str = "ngram"
@@ -226,8 +235,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None
-    disable_by_batch_size: int | None = 8
-    min_acceptance_rate: float = 0.15
+    disable_by_batch_size: int | None = 3
+    min_acceptance_rate: float = 0.25
     probe_interval_steps: int = 16
 
     def __post_init__(self) -> None:

@@ -5,11 +5,14 @@ tokens, which pays only when enough of them are accepted, and costs most
 where the step is already large. The rule, per step:
 
 - no request speculates in a step that decodes more than
-  `disable_by_batch_size` sequences (a large batch is compute-bound: extra
-  tokens slow every sequence's step instead of riding on spare bandwidth);
+  `disable_by_batch_size` sequences (default 3: a large batch is
+  compute-bound, extra tokens slow every sequence's step instead of riding
+  on spare bandwidth; on a CPU each verified draft costs about a decode
+  row, so with k = 4 batch 4's step costs ~4x, more than it gains);
 - a request speculates while its own measured acceptance rate (an EWMA of
   accepted / proposed drafts over its steps, starting at 1) is at least
-  `min_acceptance_rate`; below it, only one probe step in every
+  `min_acceptance_rate` (default 0.25: 1 + k x rate tokens per step beat
+  the ~2x a k = 4 verification costs at batch 1); below it, only one probe step in every
   `probe_interval_steps`, so a request whose text turns repetitive is
   picked up again;
 - never for a request whose sampling carries per-token state (a grammar,

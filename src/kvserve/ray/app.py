@@ -17,6 +17,8 @@ from kvserve.fleet.autoscale import AutoscaleConfig
 # (nearly) all it is sent and its own admission refuses with 429.
 MAX_ONGOING_REQUESTS = 100_000
 MODEL_DEPLOYMENT = "kvserve-model"
+# Past the replicas' graceful shutdown: a stream cut at their grace still ends cleanly.
+INGRESS_EXTRA_GRACE_S = 5.0
 
 
 def autoscale_config(args: argparse.Namespace) -> AutoscaleConfig:
@@ -61,7 +63,10 @@ def application(args: argparse.Namespace):
                       "router_policy": args.router,
                       "warm_pool": dataclasses.asdict(scaling) if args.sleep_idle else None,
                       "warm_pool_interval_s": period_s}
+    # The ingress outlives its replicas' grace: it relays the end of their streams.
     return Ingress.options(num_replicas=1, max_ongoing_requests=MAX_ONGOING_REQUESTS,
+                           graceful_shutdown_timeout_s=args.shutdown_grace + INGRESS_EXTRA_GRACE_S,
+                           graceful_shutdown_wait_loop_s=0.5,
                            ray_actor_options={"num_cpus": 0}).bind(model, ingress_config)
 
 

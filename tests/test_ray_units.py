@@ -3,7 +3,9 @@ ranks (fleet.router's decision first, sleeping replicas last, failed ones
 left out), a forwarded request answered by the server's app in process
 (and a reader that leaves aborting it), the replica's queue-wait p95 from
 its histogram, the application's args (the queue-wait limits reach the
-ingress and every replica), and the ingress's fleet refusal against them."""
+ingress and every replica), the ingress's fleet refusal against them, and
+a replica's own 429 sent to the other replica (or, both full, one 429 with
+the soonest Retry-After)."""
 
 from __future__ import annotations
 
@@ -241,3 +243,72 @@ def test_the_ingress_refuses_before_any_replica_past_the_configured_queue_wait(m
         assert "within 5.00 s" in error["message"] and int(response.headers["retry-after"]) >= 1
     else:
         assert response.status_code == 200 and len(handle.sent) == 1
+
+
+class _TwoReplicas:
+    """The model deployment's handle over replicas "a" then "b", each
+    answering 200 or 429 with its Retry-After; a send goes to the first
+    replica the request does not exclude (what kvserve's router does with
+    `exclude`), so the first send always reaches "a"."""
+
+    def __init__(self, retry_after_s: dict[str, int | None]) -> None:
+        self.retry_after_s = retry_after_s  # None: it answers 200
+        self.sent: list[tuple[str, ForwardedRequest]] = []
+
+    def options(self, **_):
+        return self
+
+    @property
+    def handle_http(self):
+        return self
+
+    def remote(self, forwarded: ForwardedRequest):
+        name = next(n for n in self.retry_after_s if n not in forwarded.exclude)
+        self.sent.append((name, forwarded))
+        replica = (b"x-kvserve-replica", name.encode())
+        retry_after = self.retry_after_s[name]
+        if retry_after is None:
+            return _Answer([ResponseStart(200, ((b"content-type", b"application/json"), replica)),
+                            b'{"usage": {"total_tokens": 3}}'])
+        error = {"error": {"message": "full", "type": "rate_limit_error", "code": "queue_full", "param": None}}
+        return _Answer([ResponseStart(429, ((b"content-type", b"application/json"), replica,
+                                            (b"retry-after", str(retry_after).encode()))), json.dumps(error).encode()])
+
+
+def _ingress_over(handle):
+    from kvserve.ray.ingress import Ingress
+
+    views = ReplicaViews(_Clock())
+    for name in ("a", "b"):
+        views.refresh(name, _stats(1, running=0))
+    ingress_class = Ingress.func_or_class.__mro__[1]  # the class under Ray Serve's ASGI wrapper
+    ingress = ingress_class.__new__(ingress_class)
+    ingress_class.__init__(ingress, handle, {"deployment_name": "units-two"})
+    ingress.replicas, ingress.views = views, views.views
+    return ingress
+
+
+def _metric(ingress, name: str, labels: dict) -> float:
+    return ingress.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_a_replicas_429_is_sent_to_the_other_replica_which_answers():
+    handle = _TwoReplicas({"a": 7, "b": None})
+    ingress = _ingress_over(handle)
+    response = _post(ingress, {"model": "m", "prompt": "hello", "max_tokens": 16})
+    assert response.status_code == 200 and response.headers["x-kvserve-replica"] == "b"
+    assert [(name, forwarded.exclude) for name, forwarded in handle.sent] == [("a", frozenset()), ("b", {"a"})]
+    assert _metric(ingress, "kvserve_ray_retries_total", {"reason": "replica_full"}) == 1
+    assert _metric(ingress, "kvserve_ray_forwards_total", {"outcome": "replica_full"}) == 1
+    assert _metric(ingress, "kvserve_ray_forwards_total", {"outcome": "answered"}) == 1
+
+
+def test_both_replicas_full_give_one_429_with_the_soonest_retry_after():
+    handle = _TwoReplicas({"a": 7, "b": 4})
+    ingress = _ingress_over(handle)
+    response = _post(ingress, {"model": "m", "prompt": "hello", "max_tokens": 16})
+    error = json.loads(response.body)["error"]
+    assert (response.status_code, error["code"], response.headers["retry-after"]) == (429, "queue_full", "4")
+    assert [name for name, _ in handle.sent] == ["a", "b"]  # each asked once
+    assert _metric(ingress, "kvserve_ray_admission_rejections_total", {"reason": "queue_full"}) == 1
+    assert not ingress.quotas._in_flight  # its fleet slot is given back

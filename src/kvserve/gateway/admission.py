@@ -13,6 +13,10 @@ Two parts:
   limit: 429 with the binding reason (batch_slots or kv_cache) in the
   OpenAI error body, and a Retry-After of the request's own, staggered
   return slot, as each replica's controller gives.
+- `FullAnswers`: a backend's own 429 (refused, not started): one other
+  backend may be tried within the retry budget; when none takes it, one
+  429 whose Retry-After is the soonest any of them expects room. The
+  gateway and the Ray ingress both follow it.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvserve.admission.decision import AdmissionDecision, Reason, reject
+from kvserve.admission.decision import AdmissionDecision, Reason, reject, whole_seconds
 from kvserve.admission.quotas import RetryBudget, TenantQuotas
 from kvserve.admission.retry_after import ReturnSlots, earliest_return_s
 from kvserve.fleet.backend_state import DRAIN_WINDOW_S, BackendLoad, expected_wait_s, kv_binds
@@ -122,3 +127,42 @@ def wait_refusal(backends: Sequence[BackendLoad], num_tokens: int, limit_s: floa
     return reject(429, reason, retry_s,
                   f"no backend can start this request within {limit_s:.2f} s: the shortest expected "
                   f"wait for {what} across {len(backends)} backends is {shown}", wait_s)
+
+
+@dataclass
+class Saturated:
+    """No backend took the request: why (a Reason, or the code a backend's
+    429 gave), and when to come back (whole seconds)."""
+
+    reason: str
+    message: str
+    retry_after_s: int
+
+
+@dataclass
+class FullAnswers:
+    """The 429s backends answered one request (each refused it before
+    starting it): their Retry-After (None: not sent) and error code."""
+
+    retry_afters_s: list[int | None] = field(default_factory=list)
+    codes: list[str | None] = field(default_factory=list)
+
+    def record(self, retry_after_s: int | None, code: str | None) -> None:
+        self.retry_afters_s.append(retry_after_s)
+        self.codes.append(code)
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def may_try_another(self, num_left: int, quotas: FleetQuotas) -> bool:
+        """After the first 429 only, with a backend left and a retry token
+        (taken here): one other backend is asked, never a round of all."""
+        return len(self) == 1 and num_left > 0 and quotas.take_retry()
+
+    def saturated(self, left: Sequence[BackendLoad]) -> Saturated:
+        """The client's one 429: Retry-After is the soonest any backend that
+        answered 429, or another eligible one by its measured drain, expects room."""
+        waits = [s for s in self.retry_afters_s if s is not None]
+        waits += [whole_seconds(expected_wait_s(b)) for b in left]
+        reason = (self.codes[-1] if self.codes else None) or Reason.QUEUE_FULL
+        return Saturated(reason, f"every backend tried is full ({len(self)} answered 429)", min(waits or [1]))

@@ -50,11 +50,7 @@ class Upstream:
 
     @property
     def retry_after_s(self) -> int | None:
-        raw = self.response.headers.get("retry-after") if self.response is not None else None
-        try:
-            return max(1, int(float(raw))) if raw else None
-        except ValueError:
-            return None
+        return retry_after_s(self.response.headers.get("retry-after") if self.response is not None else None)
 
     def headers(self) -> dict[str, str]:
         if self.response is None:
@@ -89,6 +85,14 @@ async def send(session: aiohttp.ClientSession, backend: BackendView, path: str, 
     if response.status >= 500 and not (response.status == 503 and error_code(content) in REQUEST_503_CODES):
         return Upstream(FAILED, backend, response, content, failure=f"HTTP {response.status}")
     return Upstream(ANSWER, backend, response, content)
+
+
+def retry_after_s(raw: str | None) -> int | None:
+    """A Retry-After header's whole seconds (>= 1); None when absent or not a number."""
+    try:
+        return max(1, int(float(raw))) if raw else None
+    except ValueError:
+        return None
 
 
 def error_code(content: bytes) -> str | None:

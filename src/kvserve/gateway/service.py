@@ -29,11 +29,11 @@ import aiohttp
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from kvserve.admission.decision import AdmissionDecision, Outcome, Reason, whole_seconds
+from kvserve.admission.decision import AdmissionDecision, Outcome
 from kvserve.fleet.backend_state import expected_wait_s
 from kvserve.fleet.router import RouteDecision, RouteRequest, affinity_key
 from kvserve.gateway import proxy
-from kvserve.gateway.admission import FleetQuotas, wait_refusal
+from kvserve.gateway.admission import FleetQuotas, FullAnswers, Saturated, wait_refusal
 from kvserve.gateway.backends import BackendView, Sent
 from kvserve.gateway.batches import BatchRunner, BatchStore, PendingLine, RetryLater
 from kvserve.gateway.config import CAP_MAX_TOKENS, DEFERRED, REJECT, SMALLER_MODEL, GatewayConfig
@@ -66,15 +66,6 @@ class GatewayError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(protocol.error_body(self.message, self.type, self.code, self.param),
                             status_code=self.status, headers=self.headers)
-
-
-@dataclass
-class _Saturated:
-    """The pool could not take the request: why, and when to come back."""
-
-    reason: str  # a Reason, or the code a backend's 429 gave
-    message: str
-    retry_after_s: int
 
 
 @dataclass
@@ -224,7 +215,7 @@ class Gateway:
         rungs = list(self.config.rungs_for(inbound.priority)) if ladder else [REJECT]
         while True:
             outcome = await self._try_pool(request_id, inbound, tenant, placement, http_request, headers)
-            if not isinstance(outcome, _Saturated):
+            if not isinstance(outcome, Saturated):
                 return outcome
             rung = self._next_rung(rungs, inbound, placement)
             label = placement.pool.label
@@ -260,7 +251,7 @@ class Gateway:
         return None
 
     async def _try_pool(self, request_id: str, inbound: Inbound, tenant: Tenant, placement: _Placement,
-                        http_request, headers) -> Response | _Saturated:
+                        http_request, headers) -> Response | Saturated:
         pool, cfg = placement.pool, self.config
         candidates = pool.eligible(cfg.stale_after_s, adapter=placement.adapter)
         if not candidates:
@@ -273,11 +264,11 @@ class Gateway:
                                pool.return_slots)
         if refusal is not None:
             assert refusal.reason is not None and refusal.retry_after_s is not None  # a 429 has both
-            return _Saturated(refusal.reason, refusal.message, refusal.retry_after_s)
+            return Saturated(refusal.reason, refusal.message, refusal.retry_after_s)
         route = RouteRequest(inbound.num_prompt_tokens, max_tokens, self._key(pool, inbound, tenant))
         body = inbound.body_bytes(pool.model if placement.rename else None, placement.max_tokens)
         tried: set[str] = set()
-        full: list[proxy.Upstream] = []
+        full = FullAnswers()
         while candidates:
             backend, decision = self.choose(pool, route, candidates)
             tried.add(backend.name)
@@ -302,12 +293,12 @@ class Gateway:
                 log.warning("backend %s failed (%s); %d left", backend.name, upstream.failure, len(candidates))
                 self.metrics.retries.labels(pool.label, "backend_failed").inc()
                 continue
-            full.append(upstream)
-            if len(full) > 1 or not candidates or not self.quotas.take_retry():
+            full.record(upstream.retry_after_s, proxy.error_code(upstream.body or b""))
+            if not full.may_try_another(len(candidates), self.quotas):
                 break
             self.metrics.retries.labels(pool.label, "backend_full").inc()
         if full:
-            return self._saturated_by(full, candidates)
+            return full.saturated(candidates)
         raise GatewayError(502, f"every backend of model {pool.label!r} failed this request",
                            "unavailable", "backend_failed")
 
@@ -317,14 +308,6 @@ class Gateway:
         in configured order (what `kvserve simulate` decides over its replicas)."""
         decision = pool.router.pick(candidates, route)
         return candidates[decision.position], decision
-
-    def _saturated_by(self, full: list[proxy.Upstream], left: list[BackendView]) -> _Saturated:
-        """Backends answered 429: Retry-After is the soonest any of them, or
-        another eligible backend by its measured drain, expects room."""
-        waits = [u.retry_after_s for u in full if u.retry_after_s is not None]
-        waits += [whole_seconds(expected_wait_s(v)) for v in left]
-        reason = proxy.error_code(full[-1].body or b"") or Reason.QUEUE_FULL
-        return _Saturated(reason, f"every backend tried is full ({len(full)} answered 429)", min(waits or [1]))
 
     def _key(self, pool: Pool, inbound: Inbound, tenant: Tenant) -> int | None:
         if pool.router.policy != "prefix-affinity" or not inbound.prompt_bytes:

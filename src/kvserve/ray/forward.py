@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 
 from kvserve.fleet.router import RouteRequest
 
+# The replica that answered, in its ResponseStart's headers (and so the client's).
+REPLICA_HEADER = b"x-kvserve-replica"
+
 
 @dataclass(frozen=True)
 class ForwardedRequest:

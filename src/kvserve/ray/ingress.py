@@ -6,7 +6,10 @@ deployment, applying the gateway's fleet admission once for every replica:
     class's queue-wait limit (gateway.admission.wait_refusal over the router's
     views: what binds, and a return slot staggered over the fleet's drain)
     -> the model deployment's handle, routed by kvserve's router
-    (ray.router) -> the replica's own admission and answer, relayed.
+    (ray.router) -> the replica's own admission and answer, relayed; a
+    replica's 429 (refused, not started) is sent to one other replica within
+    the retry budget, and when none takes it the client gets one 429 with
+    the soonest Retry-After (gateway.admission.FullAnswers, as the gateway).
 
 A replica that dies before its answer starts (Ray reports the actor dead)
 is dropped by Ray's router and the request is sent again, to another; a
@@ -25,6 +28,7 @@ as held replicas, asks for new ones only beyond them.
 # rewrites the route methods' signatures and reads their annotations as
 # objects (as strings, `request: Request` becomes a query parameter: 422).
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -44,11 +48,11 @@ from kvserve.fleet.router import RouteRequest, affinity_key
 from kvserve.admission.decision import AdmissionDecision
 from kvserve.admission.retry_after import ReturnSlots
 from kvserve.config import AdmissionConfig
-from kvserve.gateway.admission import FleetQuotas, wait_refusal
+from kvserve.gateway.admission import FleetQuotas, FullAnswers, Saturated, wait_refusal
 from kvserve.gateway.inbound import BYTES_PER_TOKEN, read_inbound
-from kvserve.gateway.proxy import usage_tokens
+from kvserve.gateway.proxy import error_code, retry_after_s, usage_tokens
 from kvserve.metrics import CONTENT_TYPE_LATEST
-from kvserve.ray.forward import ForwardedRequest, ResponseStart
+from kvserve.ray.forward import REPLICA_HEADER, ForwardedRequest, ResponseStart
 from kvserve.ray.views import replica_views
 from kvserve.server import protocol
 
@@ -88,6 +92,11 @@ class IngressError(Exception):
         self.status, self.message, self.type, self.code, self.headers = status, message, type_, code, headers or {}
 
     @classmethod
+    def saturated(cls, full: Saturated) -> "IngressError":
+        return cls(429, full.message, protocol.refusal_type(429, full.reason), full.reason,
+                   {"Retry-After": str(full.retry_after_s)})
+
+    @classmethod
     def of(cls, refusal: AdmissionDecision) -> "IngressError":
         """The server's answer to the same refusal (status, type, code, Retry-After)."""
         headers = {"Retry-After": str(refusal.retry_after_s)} if refusal.retry_after_s is not None else {}
@@ -103,8 +112,10 @@ class IngressMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.forwards = Counter("kvserve_ray_forwards", "Requests sent to a replica, by outcome: answered "
-                                "(its answer started), replica_gone (it died first: sent again elsewhere).",
-                                ["outcome"], registry=r)
+                                "(its answer started), replica_gone (it died first: sent again elsewhere), "
+                                "replica_full (its own admission answered 429).", ["outcome"], registry=r)
+        self.retries = Counter("kvserve_ray_retries", "Re-sends to another replica, by what the first answered.",
+                               ["reason"], registry=r)
         self.refusals = Counter("kvserve_ray_admission_rejections", "Refused at the ingress, by reason.",
                                 ["reason"], registry=r)
         self.sleeping = Gauge("kvserve_ray_replicas_sleeping", "Replicas asleep in the warm pool.", registry=r)
@@ -233,14 +244,18 @@ class Ingress:
 
     def _wait_refusal(self, num_tokens: int, priority: int) -> AdmissionDecision | None:
         limit_s = self.config.admission.max_wait_s(priority)
+        return wait_refusal(self._eligible(), num_tokens, limit_s, self.return_slots)
+
+    def _eligible(self, exclude: frozenset[str] = frozenset()) -> list:
+        """The views of replicas that can take a request now (ready, awake)."""
         asleep = self.replicas.sleeping
-        eligible = [v for name, v in self.views.items() if v.ready and not asleep.get(name)]
-        return wait_refusal(eligible, num_tokens, limit_s, self.return_slots)
+        return [v for name, v in self.views.items() if v.ready and not asleep.get(name) and name not in exclude]
 
     async def _relay(self, request: Request, raw: bytes, route: RouteRequest, request_id: str | None) -> Response:
         forwarded = ForwardedRequest(request.method, request.url.path, raw, tuple(request.scope["headers"]),
                                      request.scope.get("query_string", b""), route)
-        stream, start = await self._send(forwarded)
+        stream, start = await self._send_admitted(forwarded) if request_id is not None \
+            else await self._send(forwarded)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers
                    if k.lower() not in (b"content-length", b"transfer-encoding")}
         media_type = headers.pop("content-type", "application/json")
@@ -271,11 +286,30 @@ class Ingress:
             except BaseException:
                 stream.cancel()
                 raise
-            self.metrics.forwards.labels("answered").inc()
             assert isinstance(start, ResponseStart)
+            self.metrics.forwards.labels("replica_full" if start.status == 429 else "answered").inc()
             return stream, start
         raise IngressError(503, f"the replicas died under this request {MAX_ATTEMPTS} times", "unavailable",
                            "replica_failed")
+
+    async def _send_admitted(self, forwarded: ForwardedRequest):
+        """_send, and a replica's 429 (its own admission refused the request
+        before starting it) sent to one other replica as the gateway does."""
+        full = FullAnswers()
+        while True:
+            stream, start = await self._send(forwarded)
+            if start.status != 429:
+                return stream, start
+            body = b"".join([chunk async for chunk in stream])
+            full.record(retry_after_s(start.header("retry-after")), error_code(body))
+            tried = forwarded.exclude | {start.header(REPLICA_HEADER.decode()) or ""}
+            left = self._eligible(tried)
+            if not full.may_try_another(len(left), self.quotas):
+                saturated = full.saturated(left)
+                self.metrics.refusals.labels(saturated.reason).inc()
+                raise IngressError.saturated(saturated)
+            self.metrics.retries.labels("replica_full").inc()
+            forwarded = dataclasses.replace(forwarded, exclude=tried)
 
     async def _events(self, stream, request_id: str | None):
         num_tokens = None

@@ -32,14 +32,13 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from kvserve.fleet.autoscale import ReplicaSignals, signals_of
-from kvserve.ray.forward import ForwardedRequest, ResponseStart, run_asgi
+from kvserve.ray.forward import REPLICA_HEADER, ForwardedRequest, ResponseStart, run_asgi
 from kvserve.startup import StartupPhases
 
 # Under "ray.serve": Ray Serve sends its loggers to the replica logs.
 log = logging.getLogger("ray.serve." + __name__)
 
 QUEUE_TIME_METRIC = "vllm:request_queue_time_seconds"
-REPLICA_HEADER = b"x-kvserve-replica"
 
 
 class HistogramWindow:

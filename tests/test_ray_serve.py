@@ -107,9 +107,21 @@ def _failures(responses: list[httpx.Response]) -> list[str]:
 
 
 def _ingress_counter(url: str, outcome: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
+    text = httpx.get(f"{url}/metrics", timeout=60).text
     key = f'kvserve_ray_forwards_total{{outcome="{outcome}"}}'
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(key))
+
+
+def _replica_successes(url: str) -> dict[str, float]:
+    """vllm:request_success_total on the ingress's /metrics, summed per replica label."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = collections.defaultdict(float)
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text):
+        for sample in family.samples:
+            if sample.name == "vllm:request_success_total":
+                totals[sample.labels["replica"]] += sample.value
+    return dict(totals)
 
 
 def _measure_drain(url: str, body: dict) -> None:
@@ -137,10 +149,18 @@ def test_openai_client_and_router_spread_over_two_tiny_replicas(cluster, tiny_fo
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="other", prompt="hello", max_tokens=4)
 
+        before = _replica_successes(cluster)
         responses = asyncio.run(_burst(cluster, 16, {"model": "tiny", "prompt": "spread me", "max_tokens": 48}))
         assert [r.status_code for r in responses] == [200] * 16, _failures(responses)
         per_replica = collections.Counter(r.headers["x-kvserve-replica"] for r in responses)
         assert len(per_replica) == 2 and min(per_replica.values()) >= 4, per_replica
+        # The ingress's /metrics carries each replica's own vllm:* series, labelled by replica.
+        after = _replica_successes(cluster)
+        assert {r: after[r] - before.get(r, 0.0) for r in after} == per_replica, (before, after)
+        text = httpx.get(f"{cluster}/metrics", timeout=60).text
+        for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds",
+                     "kvserve_ray_forwards_total"):
+            assert f"# TYPE {name}" in text, name
     finally:
         serve.delete(APP)
 
@@ -206,7 +226,7 @@ def _model_replica_actors() -> list:
 
 
 def _ingress_gauge(url: str, name: str) -> float | None:
-    lines = [line for line in httpx.get(f"{url}/metrics").text.splitlines() if line.startswith(name + " ")]
+    lines = [line for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines() if line.startswith(name + " ")]
     return float(lines[0].split()[-1]) if lines else None
 
 

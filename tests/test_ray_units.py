@@ -312,3 +312,26 @@ def test_both_replicas_full_give_one_429_with_the_soonest_retry_after():
     assert [name for name, _ in handle.sent] == ["a", "b"]  # each asked once
     assert _metric(ingress, "kvserve_ray_admission_rejections_total", {"reason": "queue_full"}) == 1
     assert not ingress.quotas._in_flight  # its fleet slot is given back
+
+
+def test_replica_series_label_each_replicas_vllm_series_and_leave_the_rest():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvserve.ray.fleet_metrics import replica_series
+
+    def exposition(num_success: int) -> str:
+        registry = CollectorRegistry()
+        success = Counter("vllm:request_success", "Finished requests.", ["finished_reason"], registry=registry)
+        success.labels("length").inc(num_success)
+        Gauge("vllm:num_requests_running", "Running.", registry=registry).set(num_success - 1)
+        Gauge("kvserve_memory_bytes", "Not a fleet series.", registry=registry).set(1)
+        return generate_latest(registry).decode()
+
+    text = replica_series({"a": exposition(3), "b": exposition(5)}).decode()
+    assert text.count("# TYPE vllm:request_success_total counter") == 1 and "kvserve_memory_bytes" not in text
+    samples = {(s.name, s.labels.get("replica")): (s.value, s.labels)
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples["vllm:request_success_total", "a"] == (3.0, {"finished_reason": "length", "replica": "a"})
+    assert samples["vllm:request_success_total", "b"][0] == 5.0
+    assert (samples["vllm:num_requests_running", "a"][0], samples["vllm:num_requests_running", "b"][0]) == (2.0, 4.0)

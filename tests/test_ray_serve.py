@@ -155,8 +155,10 @@ def test_openai_client_and_router_spread_over_two_tiny_replicas(cluster, tiny_fo
         per_replica = collections.Counter(r.headers["x-kvserve-replica"] for r in responses)
         assert len(per_replica) == 2 and min(per_replica.values()) >= 4, per_replica
         # The ingress's /metrics carries each replica's own vllm:* series, labelled by replica.
-        after = _replica_successes(cluster)
-        assert {r: after[r] - before.get(r, 0.0) for r in after} == per_replica, (before, after)
+        def counted() -> dict[str, float]:  # what the replicas' latest stats (a period old at most) say
+            after = _replica_successes(cluster)
+            return {r: after[r] - before.get(r, 0.0) for r in after}
+        assert wait_until(lambda: counted() == per_replica, timeout_s=60, period_s=0.5), (counted(), per_replica)
         text = httpx.get(f"{cluster}/metrics", timeout=60).text
         for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds",
                      "kvserve_ray_forwards_total"):

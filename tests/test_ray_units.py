@@ -318,7 +318,7 @@ def test_replica_series_label_each_replicas_vllm_series_and_leave_the_rest():
     from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvserve.ray.fleet_metrics import replica_series
+    from kvserve.ray.fleet_metrics import fleet_lines, replica_series
 
     def exposition(num_success: int) -> str:
         registry = CollectorRegistry()
@@ -328,7 +328,8 @@ def test_replica_series_label_each_replicas_vllm_series_and_leave_the_rest():
         Gauge("kvserve_memory_bytes", "Not a fleet series.", registry=registry).set(1)
         return generate_latest(registry).decode()
 
-    text = replica_series({"a": exposition(3), "b": exposition(5)}).decode()
+    # What each replica sends (fleet_lines), merged.
+    text = replica_series({"a": fleet_lines(exposition(3)), "b": fleet_lines(exposition(5))}).decode()
     assert text.count("# TYPE vllm:request_success_total counter") == 1 and "kvserve_memory_bytes" not in text
     samples = {(s.name, s.labels.get("replica")): (s.value, s.labels)
                for family in text_string_to_metric_families(text) for s in family.samples}

@@ -1,5 +1,6 @@
 """The fleet's series on the ingress's one /metrics: every replica's own
-`vllm:*` series (read from its /metrics when the ingress is scraped), each
+`vllm:*` series (each replica sends its `fleet_lines` in its routing
+stats, so they are a stats period old at most), each
 sample labelled `replica="<id>"`, as the ingress labels its per-replica
 gauges; so a Prometheus pointed at the ingress sees the whole fleet
 (sum by replica, or over it). Pure text work, no Ray."""
@@ -42,3 +43,10 @@ def replica_series(texts: Mapping[str, str], prefix: str = FLEET_PREFIX) -> byte
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(list(merged.values())))
     return generate_latest(registry)
+
+
+def fleet_lines(text: str, prefix: str = FLEET_PREFIX) -> str:
+    """The lines of an exposition text that belong to `prefix` families
+    (what a replica sends the ingress: its other series stay home)."""
+    keep = ("# HELP " + prefix, "# TYPE " + prefix, prefix)
+    return "".join(line + "\n" for line in text.splitlines() if line.startswith(keep))

@@ -62,8 +62,6 @@ log = logging.getLogger("ray.serve." + __name__)
 
 # Sends of one request: the first and, after replicas died under it, others.
 MAX_ATTEMPTS = 3
-# How long the ingress's /metrics waits for a replica's (a Prometheus scrape times out at 10 s by default).
-REPLICA_METRICS_TIMEOUT_S = 5.0
 _REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
 
 
@@ -207,12 +205,9 @@ class Ingress:
     @app.get("/metrics")
     async def prometheus(self):
         """The ingress's own series, then every replica's vllm:* series
-        (labelled by replica), read from each replica now; one that does
-        not answer within REPLICA_METRICS_TIMEOUT_S is left out this time."""
+        (labelled by replica) from its latest routing stats."""
         self.metrics.refresh(self.replicas)
-        names = list(self.views)
-        texts = await asyncio.gather(*(self._replica_metrics(name) for name in names))
-        fleet = replica_series({name: text for name, text in zip(names, texts) if text is not None})
+        fleet = replica_series(self.replicas.series)
         return Response(generate_latest(self.metrics.registry) + fleet, media_type=CONTENT_TYPE_LATEST)
 
     # ---- requests ----------------------------------------------------------
@@ -369,28 +364,12 @@ class Ingress:
         self._controls[replica] = asyncio.get_running_loop().create_task(self._control(replica, "POST", path, query))
 
     async def _control(self, replica: str, method: str, path: str, query: bytes = b"") -> None:
-        start, _ = await self._to_replica(replica, method, path, query)
-        log.info("warm pool: %s %s -> %s (%d)", path, query.decode(), replica, start.status)
-
-    async def _to_replica(self, replica: str, method: str, path: str,
-                          query: bytes = b"") -> tuple[ResponseStart, bytes]:
-        """A request to one named replica (the router sends a request that
-        excludes every other): its ResponseStart and whole body."""
+        """A control request to one named replica (the router sends a
+        request that excludes every other)."""
         others = frozenset(n for n in self.views if n != replica)
         forwarded = ForwardedRequest(method, path, b"", (), query, RouteRequest(), others)
         stream = self.model.handle_http.remote(forwarded)
-        try:
-            start = await stream.__anext__()
-            return start, b"".join([chunk async for chunk in stream])
-        finally:
-            stream.cancel()  # a no-op once it ended; a timed-out call is not left running
-
-    async def _replica_metrics(self, replica: str) -> str | None:
-        try:
-            start, body = await asyncio.wait_for(self._to_replica(replica, "GET", "/metrics"),
-                                                 REPLICA_METRICS_TIMEOUT_S)
-        except (asyncio.TimeoutError, *_REPLICA_GONE) as exc:
-            log.warning("replica %s: no /metrics (%s)", replica, type(exc).__name__)
-            return None
-        return body.decode() if start.status == 200 else None
-
+        start = await stream.__anext__()
+        async for _ in stream:
+            pass
+        log.info("warm pool: %s %s -> %s (%d)", path, query.decode(), replica, start.status)

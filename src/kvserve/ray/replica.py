@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from kvserve.fleet.autoscale import ReplicaSignals, signals_of
+from kvserve.ray.fleet_metrics import fleet_lines
 from kvserve.ray.forward import REPLICA_HEADER, ForwardedRequest, ResponseStart, run_asgi
 from kvserve.startup import StartupPhases
 
@@ -123,9 +124,10 @@ class ModelReplica:
             yield item
 
     async def record_routing_stats(self) -> dict:
-        scrape = self._parse_metrics(self.serving.metrics.render().decode())
+        text = self.serving.metrics.render().decode()
+        scrape = self._parse_metrics(text)
         self._stats_number += 1
-        return {"scrape": dataclasses.asdict(scrape), "ready": self.serving.ready,
+        return {"scrape": dataclasses.asdict(scrape), "series": fleet_lines(text), "ready": self.serving.ready,
                 "sleeping": self.serving.sleep_level, "num_kv_blocks": self.num_kv_blocks,
                 "block_size": self.block_size, "number": self._stats_number,
                 "startup_s": dict(self.serving.startup.seconds), "signals": self.signals()._asdict()}

@@ -31,6 +31,7 @@ class ReplicaViews:
         self.sleeping: dict[str, int] = {}
         self.startup_s: dict[str, dict[str, float]] = {}  # per replica: its startup phases and latest wake
         self.signals: dict[str, ReplicaSignals] = {}  # per replica: what it records for the autoscaler
+        self.series: dict[str, str] = {}  # per replica: its vllm:* series (exposition text)
 
     def refresh(self, replica_id: str, stats: dict | None) -> BackendView:
         view = self.views.get(replica_id)
@@ -45,6 +46,7 @@ class ReplicaViews:
             view.record_scrape(Scrape(**stats["scrape"]), bool(stats.get("ready")))
             self.sleeping[replica_id] = int(stats.get("sleeping") or 0)
             self.startup_s[replica_id] = dict(stats.get("startup_s") or {})
+            self.series[replica_id] = str(stats.get("series") or "")
             if "signals" in stats:
                 self.signals[replica_id] = ReplicaSignals(**stats["signals"])
         return view
@@ -56,6 +58,7 @@ class ReplicaViews:
             self.sleeping.pop(gone, None)
             self.startup_s.pop(gone, None)
             self.signals.pop(gone, None)
+            self.series.pop(gone, None)
 
     def rank(self, router: Router, ids: Sequence[str], route: RouteRequest,
              exclude: frozenset[str] = frozenset()) -> list[list[str]]:

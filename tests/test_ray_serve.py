@@ -149,6 +149,9 @@ def test_openai_client_and_router_spread_over_two_tiny_replicas(cluster, tiny_fo
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="other", prompt="hello", max_tokens=4)
 
+        # The three answered above, once the replicas' stats (a period old at most) show them.
+        assert wait_until(lambda: sum(_replica_successes(cluster).values()) == 3, timeout_s=60, period_s=0.5), \
+            _replica_successes(cluster)
         before = _replica_successes(cluster)
         responses = asyncio.run(_burst(cluster, 16, {"model": "tiny", "prompt": "spread me", "max_tokens": 48}))
         assert [r.status_code for r in responses] == [200] * 16, _failures(responses)

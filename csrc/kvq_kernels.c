@@ -610,8 +610,11 @@ void kvq_rope_write_kv(void* qkv, int dtype, int64_t T, int64_t ldq, const int64
     parallel_chunks(T < 32 ? 1 : num_threads, T, rope_token, &j);  /* a decode step's few tokens: no helpers */
 }
 
-/* Attention of one query per sequence over its whole cached context (decode):
- * q: [B, H * D] (row stride ldq); out: [B, H * D]; the context of sequence b is
+/* Attention of B query rows, each over its own cached context: one row per
+ * sequence on a decode step; one per token on a prefill or verifying step,
+ * where row b's context is its causal prefix (context_lens[b] = its position
+ * + 1, block_table row b = its sequence's blocks).
+ * q: [B, H * D] (row stride ldq); out: [B, H * D]; the context of row b is
  * its first context_lens[b] positions, position p at slot
  * block_table[b, p / block_size] * block_size + p % block_size. GQA: query head
  * h reads KV head h / (H / Hkv). Reads K/V in place, a tile of positions at a
@@ -940,7 +943,8 @@ static void lora_add(const kvq_lora_step* step, const kvq_lora_linear* lin, cons
     parallel_chunks(num_threads, step->num_segments * col_blocks, lora_expand_chunk, &j);
 }
 
-/* Every layer of a decode-only step (one new token per sequence, T == B), the
+/* Every layer of a step (T query rows: one per sequence on a decode step, one
+ * per token where a sequence has several, each with its own context), the
  * same kernels in the same order as the per-op path (model/llama.py's
  * DecoderLayer), so the result is bit for bit the same; what it saves is the
  * Python between ~5 calls per layer. residual: [T, hidden], updated in place

@@ -154,6 +154,39 @@ def test_decode_attention_reads_paged_cache_like_sdpa(isa, dtype):
         assert torch.equal(cache[slots[row], 1].reshape(-1), qkv[row, (h + hkv) * d:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_steps_with_several_tokens_per_sequence_attend_causally_like_sdpa(isa, dtype):
+    """Prefill chunks (one fresh, one on top of a cached prefix) and a decode in
+    one step, indexed by the runner's own build_step_batch: the native kernel's
+    per-token causal attention equals SDPA over the gathered, masked context."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from kvserve.model.attention import native_attention
+    from kvserve.runner.step_batch import build_step_batch
+    from kvserve.scheduler.scheduler import ScheduledChunk
+
+    h, hkv, d, block_size = 6, 2, 32, 4
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(1)).tolist()  # scattered blocks
+    # (start, new tokens): 37 fresh prompt tokens (two 32-position tiles), a 5-token
+    # chunk after 7 cached ones, one decode token at position 40.
+    shapes = [(0, 37), (7, 5), (40, 1)]
+    blocks = [order[:10], order[10:13], order[13:24]]
+    request = SimpleNamespace(token_ids_slice=lambda start, end: [1] * (end - start))
+    chunks = [ScheduledChunk(request, start, n, b, True) for (start, n), b in zip(shapes, blocks)]
+    meta = build_step_batch(chunks, block_size, torch.device("cpu")).meta
+    assert meta.query_block_table is not None and meta.query_context_lens is not None
+    num_tokens = int(meta.positions.numel())
+    cache = torch.randn(40 * block_size, 2, hkv, d).to(dtype)
+    qkv = torch.randn(num_tokens, (h + 2 * hkv) * d).to(dtype)
+    cos, sin = torch.ones(80, d, dtype=dtype), torch.zeros(80, d, dtype=dtype)  # identity rotation
+    native = native_attention(qkv.clone(), cache.clone(), cos, sin, meta, h, hkv, d, 0.2)
+    sdpa_meta = replace(meta, query_block_table=None, query_context_lens=None)  # the SDPA path
+    expected = native_attention(qkv.clone(), cache.clone(), cos, sin, sdpa_meta, h, hkv, d, 0.2)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
+    torch.testing.assert_close(native.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
 # ---- --quantization at load and in the runner ------------------------------------
 
 def _tiny_gguf(tmp_path, qtype_name: str):
@@ -257,13 +290,16 @@ def test_native_decode_step_is_bit_identical_to_the_layer_by_layer_path(qtype):
 
 
 @pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
-def test_a_verifying_step_runs_in_the_one_call_decode_with_the_causal_mask(qtype):
+def test_a_verifying_step_runs_in_the_one_call_step_with_the_causal_mask(qtype):
     """A step of drafts under verification (1 + k tokens per sequence) beside a
     plain decode runs every layer in the one native call, each token a row
     whose context ends at its own position: its hidden states equal (to the
     attention kernels' rounding) those of the same tokens run as prefill
     chunks through SDPA's causal mask, which a draft seeing the drafts after
-    it, or the step going layer by layer, would not pass."""
+    it, or the step going layer by layer, would not pass. Prefill chunks take
+    the one call too."""
+    from dataclasses import replace
+
     from kvserve.contract import SamplingParams
     from kvserve.runner.step_batch import build_step_batch
     from kvserve.scheduler.scheduler import ScheduledChunk
@@ -279,17 +315,21 @@ def test_a_verifying_step_runs_in_the_one_call_decode_with_the_causal_mask(qtype
     requests = [engine.new_request(c + list(d), params) for c, d in zip(contexts, drafts)]
     blocks = [list(range(row * 10, row * 10 + 10)) for row in range(3)]  # 40 slots each, of block size 4
 
-    def forward(chunks):
+    def forward(chunks, per_token_rows=True):
         batch = build_step_batch(chunks, runner.block_size, runner.device)
-        return model.forward(batch.token_ids, runner.kv_caches, batch.meta).clone()
+        meta = batch.meta
+        if not per_token_rows:  # no rows for the native kernels: layer by layer, SDPA's mask
+            meta = replace(meta, query_block_table=None, query_context_lens=None)
+        return model.forward(batch.token_ids, runner.kv_caches, meta).clone()
 
     forward([ScheduledChunk(r, 0, len(c) - 1, b, False) for r, c, b in zip(requests, contexts, blocks)])
+    assert calls == [8 + 22 + 13]  # the prefill chunks, in one call
     verified = forward([ScheduledChunk(r, len(c) - 1, 1 + len(d), b, True, d)
                         for r, c, d, b in zip(requests, contexts, drafts, blocks)])
-    assert calls == [4 + 1 + 3]  # the verifying step, in one call
+    assert calls == [43, 4 + 1 + 3]  # the verifying step, in one call
     as_prefill = forward([ScheduledChunk(r, len(c) - 1, 1 + len(d), b, True)
-                          for r, c, d, b in zip(requests, contexts, drafts, blocks)])
-    assert calls == [8]  # prefill chunks go layer by layer (SDPA)
+                          for r, c, d, b in zip(requests, contexts, drafts, blocks)], per_token_rows=False)
+    assert calls == [43, 8]  # the reference went layer by layer (SDPA)
     torch.testing.assert_close(verified, as_prefill, atol=1e-4, rtol=1e-4)
 
 

@@ -42,9 +42,10 @@ class AttentionMetadata:
     query_block_table, query_context_lens: [T, max_blocks] and [T] int64, each
                    query token as a sequence of its own: its sequence's blocks and
                    the context it sees (its position + 1, which is the causal
-                   mask). Built for a step of decodes and verifications (1 + k
-                   tokens), so the native decode kernels verify drafts too;
-                   None otherwise (a decode-only step's rows are block_table's)
+                   mask). Built for steps with several tokens per sequence
+                   (prefill chunks, verifications: 1 + k tokens), so the native
+                   kernels run them too; None on decode-only steps (their rows
+                   are block_table's)
     """
 
     positions: Tensor
@@ -66,9 +67,8 @@ class AttentionMetadata:
 
     def decode_rows(self) -> tuple[Tensor, Tensor] | None:
         """(block table, context lengths) with one row per query token, for the
-        native decode kernels, which attend one query per row over its
-        row's context; None when the step has tokens that are neither a decode
-        nor a draft under verification (prefill: SDPA)."""
+        native kernels, which attend one query per row over its row's
+        context; None where the metadata was built without block tables."""
         if self.query_block_table is not None and self.query_context_lens is not None:
             return self.query_block_table, self.query_context_lens
         if self.is_decode_only and self.block_table is not None and self.context_lens is not None:
@@ -115,10 +115,13 @@ def native_attention(qkv: Tensor, kv_cache: Tensor, cos: Tensor, sin: Tensor, me
 
     qkv: [T, (H + 2 * Hkv) * D], q and k rotated in place; cos/sin: the whole
     [max_positions, D] tables; kv_cache: this layer's [slots, 2, Hkv, D].
-    Returns [T, H * D]. Decode-only steps read each sequence's K/V in place
-    through its block table (memory bounded by the batch, not the context),
-    and so do a verification's 1 + k tokens, one row each (`decode_rows`);
-    steps with prefill chunks go through `paged_attention` (SDPA)."""
+    Returns [T, H * D]. Each query row reads its K/V in place through its
+    sequence's block table (memory bounded by the batch, not the context): one
+    row per sequence on a decode-only step, one per token on a step with
+    prefill chunks or drafts (`decode_rows`). That replaced SDPA over a
+    gathered, padded, masked context for prefill, which cost as much as the
+    step's matmuls on a 256-token prompt; SDPA remains for head shapes past
+    the kernel's buffers."""
     lib = require_kernels()
     dtype = activation_type(qkv.dtype)
     num_tokens = qkv.shape[0]

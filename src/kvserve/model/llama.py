@@ -234,14 +234,15 @@ class DecoderLayer:
 
 
 class NativeDecode:
-    """A decode-only step's layers in one native call (csrc's kvq_decode_layers):
-    the per-op path's kernels in its order, so the same bits, without the Python
-    between ~5 kernel calls per layer (about a quarter of a batch-1 step's CPU).
-    A step verifying drafts runs here too: each of a sequence's 1 + k tokens is
-    a row of its own whose context ends at its position (meta.decode_rows), and
-    every row's K/V is written before any row attends, so a draft sees the
-    drafts before it. For CPU models whose every layer is four QuantizedWeights
-    and no bias."""
+    """A step's layers in one native call (csrc's kvq_decode_layers): the
+    per-op path's kernels in its order, so the same bits, without the Python
+    between ~5 kernel calls per layer (about a quarter of a batch-1 decode
+    step's CPU). Written for decode steps (one row per sequence); steps with
+    several tokens per sequence (prefill chunks, a verification's 1 + k tokens)
+    run here too: each token is a row of its own whose context ends at its
+    position (meta.decode_rows), and every row's K/V is written before any row
+    attends, so a token sees the ones before it in its chunk. For CPU models
+    whose every layer is four QuantizedWeights and no bias."""
 
     def __init__(self, layers: list[DecoderLayer]) -> None:
         self.layers = layers
@@ -261,7 +262,7 @@ class NativeDecode:
         lora: the step's adapter updates (`LinearUpdates.native_step`; None: base model only)."""
         rows = meta.decode_rows()
         if rows is None:
-            raise ValueError("a step with prefill tokens has no one-call decode")
+            raise ValueError("metadata without block tables has no one-call step")
         block_table, context_lens = rows
         first = self.layers[0]
         h, hkv, d = first.num_heads, first.num_kv_heads, first.head_dim
@@ -320,8 +321,8 @@ class LlamaModel:
             isinstance(lin, QuantizedWeight) for layer in self.layers for lin in layer.linears())
         for layer in self.layers:
             layer.native_ops = self.native_ops
-        # Decode-only steps run every layer in one native call where the layers
-        # allow it; None: layer by layer (tests set it to compare the two).
+        # Steps run every layer in one native call where the layers allow it;
+        # None: layer by layer (tests set it to compare the two).
         self.native_decode = NativeDecode(self.layers) if NativeDecode.supports(self.layers) else None
 
     @classmethod

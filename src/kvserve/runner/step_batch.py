@@ -76,9 +76,10 @@ def build_step_batch(chunks: Sequence["ScheduledChunk"], block_size: int,
     if drafting:  # a verifying chunk samples all its rows
         sample_rows = np.concatenate([np.arange(cu_tokens[i], cu_tokens[i + 1]) if chunks[i].spec_token_ids
                                       else cu_tokens[i + 1:i + 2] - 1 for i in sampling])
-    # A step of decodes and verifications only: each token a row of its own
-    # for the native decode kernels (its sequence's blocks, context up to it).
-    query_rows = max_query_len > 1 and all(c.num_new_tokens == 1 + len(c.spec_token_ids) for c in chunks)
+    # A step with several tokens per sequence (prefill chunks, verifications):
+    # each token a row of its own for the native CPU kernels (its sequence's
+    # blocks, context up to its own position: the causal mask).
+    query_rows = max_query_len > 1
     meta = AttentionMetadata(
         positions=to(positions), slot_mapping=to(slot_mapping), query_index=to(query_index),
         context_slots=to(context_slots), attn_mask=None if attn_mask is None else to(attn_mask),

@@ -24,6 +24,12 @@ JOBS = ["r3-all", "r5-attention", None, "r3-all", "r7-mlp", "r3-all", None, "r3-
         "r3-all", "r3-all", None, "r3-all", "r3-all", None, "r3-all", "r3-all"]
 # Both paths compute each product in float32, in another summation order:
 ATOL = 1e-5  # measured: <= 4e-7 of the largest value
+# ...but the next matmul quantizes its input to int8 per block of 32, so where
+# that last-bit difference sits on a rounding boundary, one activation moves by
+# one step and its row (and the row's later steps, through its K/V) differs by
+# about 1% of its largest value (measured: 0.7-1.0%, one row of 18, prefill on).
+QUANT_STEP_BOUND = 0.03  # of the step's largest value
+MIN_EXACT_SHARE = 0.8    # of the adapter rows, within ATOL
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +74,18 @@ def decode_hidden(base, folders, native: bool, jobs=JOBS):
 def test_adapters_in_the_native_decode_step_match_the_per_layer_update(base, folders):
     native, native_tokens, calls = decode_hidden(base, folders, native=True)
     per_op, per_op_tokens, _ = decode_hidden(base, folders, native=False)
-    # every decode step went through the one-call path, with the adapters in it
-    assert len(calls) == STEPS - 1 and all(lora is not None and lora.num_segments == 4 for lora in calls)
+    # every step (the prefill, then each decode) went through the one-call path, with the adapters in it
+    assert len(calls) == STEPS and all(lora is not None for lora in calls)
+    assert all(lora.num_segments == 4 for lora in calls[1:])  # a decode step's segments, as JOBS says
     assert len(native) == len(per_op) == STEPS
     base_rows = [i for i, job in enumerate(JOBS) if job is None]
+    adapter_rows = [i for i, job in enumerate(JOBS) if job is not None]
     for step, (a, b) in enumerate(zip(native, per_op)):
-        torch.testing.assert_close(a, b, rtol=0, atol=ATOL * b.abs().max().item())
+        scale = b.abs().max().item()
+        torch.testing.assert_close(a, b, rtol=0, atol=QUANT_STEP_BOUND * scale)
+        row_error = (a - b).abs().max(dim=1).values
+        exact = sum(1 for i in adapter_rows if row_error[i] <= ATOL * scale)
+        assert exact >= MIN_EXACT_SHARE * len(adapter_rows), (step, row_error)
         # base-model rows: the adapters beside them change no bit
         assert torch.equal(a[base_rows], b[base_rows])
     assert native_tokens == per_op_tokens
@@ -94,4 +106,4 @@ def test_the_adapters_change_every_adapter_row_and_no_base_row(base, folders):
 
 def test_a_base_only_step_passes_no_adapter_work_to_the_native_step(base, folders):
     _, _, calls = decode_hidden(base, folders, native=True, jobs=[None] * 4)
-    assert len(calls) == STEPS - 1 and all(lora is None for lora in calls)
+    assert len(calls) == STEPS and all(lora is None for lora in calls)

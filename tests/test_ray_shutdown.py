@@ -54,12 +54,25 @@ def _session_processes(sid: int) -> list[str]:
     return found
 
 
+def _blocks(pid: int, tid: int, sig: int) -> bool:
+    """Whether thread tid has sig in its signal mask (/proc's SigBlk)."""
+    for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+        if line.startswith("SigBlk:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
 def _signal_a_non_main_thread(pid: int, sig: int) -> int:
+    """Send sig to one of the driver's non-main threads, as the kernel does with
+    a process-directed signal when it picks such a thread: only a thread that
+    does not block it (Ray's gRPC threads block signals; a signal sent to one
+    of those would stay pending on it, which a `kill` never does)."""
     threads = sorted(int(t.name) for t in Path(f"/proc/{pid}/task").iterdir() if int(t.name) != pid)
-    assert threads, "Ray's driver runs threads beside the main one"
+    receivers = [tid for tid in threads if not _blocks(pid, tid, sig)]
+    assert receivers, "Ray's driver runs threads beside the main one that take signals"
     libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.syscall(SYS_TGKILL, pid, threads[-1], sig) == 0, os.strerror(ctypes.get_errno())
-    return threads[-1]
+    assert libc.syscall(SYS_TGKILL, pid, receivers[-1], sig) == 0, os.strerror(ctypes.get_errno())
+    return receivers[-1]
 
 
 def _ready(url: str) -> bool:

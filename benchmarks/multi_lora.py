@@ -37,45 +37,26 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.llama import input_transform
 from kvserve.model.lora import TARGET_MODULES, LoraSlots
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' adapter writer
+from tests.tiny_models import random_adapter_folder  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "multi_lora.json"
 PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 NUM_ADAPTERS = 4
 ADAPTER_ARMS = ("4_adapters", "4_adapters_per_layer", "4_adapters_torch_threads", "4_adapters_masked")
 DEFAULT_ARMS = ADAPTER_ARMS[:2]
-
-
-def write_adapter(folder: Path, config, rank: int, seed: int) -> None:
-    """A PEFT LoRA folder with random weights on every projection."""
-    h, i = config.hidden_size, config.intermediate_size
-    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config.num_hidden_layers):
-        for target in TARGET_MODULES:
-            part = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            key = f"base_model.model.model.layers.{layer}.{part}.{target}"
-            in_features, out_features = dims[target]
-            tensors[f"{key}.lora_A.weight"] = torch.randn((rank, in_features), generator=generator) * 0.01
-            tensors[f"{key}.lora_B.weight"] = torch.randn((out_features, rank), generator=generator) * 0.01
-    folder.mkdir(parents=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGET_MODULES),
-        "bias": "none", "lora_dropout": 0.0}))
 
 
 class MaskedStep:
@@ -167,7 +148,7 @@ def measure(batch: int, tokens: int, repeats: int, rank: int, adapter_arms: list
               max_lora_rank=args.rank)
     with tempfile.TemporaryDirectory() as tmp:
         for n in range(NUM_ADAPTERS):
-            write_adapter(Path(tmp) / f"a{n}", llm.engine.model_config, args.rank, seed=n)
+            random_adapter_folder(Path(tmp) / f"a{n}", llm.engine.model_config, args.rank, seed=n, std=0.01)
             llm.load_lora_adapter(f"a{n}", Path(tmp) / f"a{n}")
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     spread = [f"a{n % NUM_ADAPTERS}" for n in range(args.batch)]

@@ -162,11 +162,9 @@ class _Clock:
         return self.now
 
 
-class _ReplicaHandle:
-    """The model deployment's handle as the ingress calls it: each send answers 200."""
-
-    def __init__(self) -> None:
-        self.sent: list[ForwardedRequest] = []
+class _HandleCalls:
+    """How the ingress reaches the model deployment's handle:
+    handle.options(...).handle_http.remote(forwarded)."""
 
     def options(self, **_):
         return self
@@ -174,6 +172,13 @@ class _ReplicaHandle:
     @property
     def handle_http(self):
         return self
+
+
+class _ReplicaHandle(_HandleCalls):
+    """The model deployment's handle as the ingress calls it: each send answers 200."""
+
+    def __init__(self) -> None:
+        self.sent: list[ForwardedRequest] = []
 
     def remote(self, forwarded: ForwardedRequest):
         self.sent.append(forwarded)
@@ -245,7 +250,7 @@ def test_the_ingress_refuses_before_any_replica_past_the_configured_queue_wait(m
         assert response.status_code == 200 and len(handle.sent) == 1
 
 
-class _TwoReplicas:
+class _TwoReplicas(_HandleCalls):
     """The model deployment's handle over replicas "a" then "b", each
     answering 200 or 429 with its Retry-After; a send goes to the first
     replica the request does not exclude (what kvserve's router does with
@@ -254,13 +259,6 @@ class _TwoReplicas:
     def __init__(self, retry_after_s: dict[str, int | None]) -> None:
         self.retry_after_s = retry_after_s  # None: it answers 200
         self.sent: list[tuple[str, ForwardedRequest]] = []
-
-    def options(self, **_):
-        return self
-
-    @property
-    def handle_http(self):
-        return self
 
     def remote(self, forwarded: ForwardedRequest):
         name = next(n for n in self.retry_after_s if n not in forwarded.exclude)

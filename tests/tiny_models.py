@@ -149,3 +149,36 @@ def tiny_peft_adapter(base_model, folder, seed: int, r: int = 8, lora_alpha: flo
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
     peft_model.save_pretrained(str(folder))
     return peft_model.merge_and_unload().eval()
+
+
+def random_adapter_folder(folder, config: ModelConfig, rank: int, seed: int, std: float,
+                          zero_b: bool = False) -> None:
+    """A PEFT LoRA folder for a kvserve ModelConfig without loading its
+    weights (a real model's shapes, e.g. the default model's): random A
+    (and B, or zero B: the base model's output exactly) of `std` on every
+    projection of every layer, lora_alpha = 2 * rank."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from kvserve.model.lora import TARGET_MODULES
+
+    h, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for target in TARGET_MODULES:
+            part = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{target}"
+            in_features, out_features = dims[target]
+            tensors[f"{key}.lora_A.weight"] = torch.randn((rank, in_features), generator=generator) * std
+            b = torch.randn((out_features, rank), generator=generator) * std
+            tensors[f"{key}.lora_B.weight"] = torch.zeros_like(b) if zero_b else b
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGET_MODULES),
+        "bias": "none", "lora_dropout": 0.0}))

@@ -211,8 +211,12 @@ def test_a_small_cache_shows_evictions_allocation_failures_and_waiting_lengths()
     assert metric(s, "kvserve_kv_allocation_failures_total") >= 1
     waited = metric(s, "kvserve_waiting_context_tokens_count")
     assert waited >= 1
-    # New requests wait with their 50-token prompt; a preempted one with its output too.
-    assert metric(s, "kvserve_waiting_context_tokens_bucket", le="50.0") >= 1
+    # A request waits with its 50-token prompt, a preempted one with some of
+    # its 30 output tokens too: every sample lies in (20, 100]. Which of the
+    # two kinds is sampled depends on when the three arrive against the steps
+    # (admission may hold a new one at the front door, outside the waiting
+    # queue), so neither kind is required.
+    assert metric(s, "kvserve_waiting_context_tokens_bucket", le="100.0") == waited
     assert metric(s, "kvserve_waiting_context_tokens_bucket", le="20.0") == 0
     assert metric(s, "kvserve_waiting_context_tokens_sum") >= 50 * waited
     assert metric(s, "kvserve_memory_bytes", kind="kv_cache") == (8 * 16 + 1) * KV_BYTES_PER_TOKEN  # + scratch slot

@@ -236,7 +236,12 @@ def _ingress_gauge(url: str, name: str) -> float | None:
 
 
 def test_warm_pool_sleeps_an_idle_replica_and_wakes_it_for_a_burst(cluster):
-    _deploy({**SLOW_SIM, "min_replicas": 2, "max_replicas": 2, "sleep_idle": True, "look_back": 3,
+    # Warmed up, as a served replica is by default: a replica with no step
+    # measured yet allows only one batch of queue before its first step
+    # (admission's cold allowance), and on a loaded box the burst outran the
+    # woken sleeper's first steps ("no measured drain" 429s).
+    warmed = {key: value for key, value in SLOW_SIM.items() if key != "no_warm_up"}
+    _deploy({**warmed, "min_replicas": 2, "max_replicas": 2, "sleep_idle": True, "look_back": 3,
              "scale_down_delay": 2})
     try:
         body = {"model": "sim", "prompt": "wake up", "max_tokens": 20}

@@ -17,6 +17,9 @@ from kvserve.fleet.autoscale import AutoscaleConfig
 # (nearly) all it is sent and its own admission refuses with 429.
 MAX_ONGOING_REQUESTS = 100_000
 MODEL_DEPLOYMENT = "kvserve-model"
+# Past a replica's own grace (it aborts what is left at --shutdown-grace, told by
+# `kvserve ray` before the delete): Ray's kill never cuts the aborts' last chunks.
+REPLICA_EXTRA_GRACE_S = 2.0
 # Past the replicas' graceful shutdown: a stream cut at their grace still ends cleanly.
 INGRESS_EXTRA_GRACE_S = 5.0
 
@@ -40,7 +43,8 @@ def application(args: argparse.Namespace):
     period_s = args.stats_period
     options: dict = {
         "name": MODEL_DEPLOYMENT, "max_ongoing_requests": MAX_ONGOING_REQUESTS,
-        "graceful_shutdown_timeout_s": args.shutdown_grace, "graceful_shutdown_wait_loop_s": min(1.0, period_s),
+        "graceful_shutdown_timeout_s": args.shutdown_grace + REPLICA_EXTRA_GRACE_S,
+        "graceful_shutdown_wait_loop_s": min(1.0, period_s),
         "ray_actor_options": {"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus,
                               "runtime_env": {"env_vars": _metric_push_env(period_s)}},
         "request_router_config": RequestRouterConfig(
@@ -64,8 +68,9 @@ def application(args: argparse.Namespace):
                       "warm_pool": dataclasses.asdict(scaling) if args.sleep_idle else None,
                       "warm_pool_interval_s": period_s}
     # The ingress outlives its replicas' grace: it relays the end of their streams.
+    ingress_grace_s = args.shutdown_grace + REPLICA_EXTRA_GRACE_S + INGRESS_EXTRA_GRACE_S
     return Ingress.options(num_replicas=1, max_ongoing_requests=MAX_ONGOING_REQUESTS,
-                           graceful_shutdown_timeout_s=args.shutdown_grace + INGRESS_EXTRA_GRACE_S,
+                           graceful_shutdown_timeout_s=ingress_grace_s,
                            graceful_shutdown_wait_loop_s=0.5,
                            ray_actor_options={"num_cpus": 0}).bind(model, ingress_config)
 

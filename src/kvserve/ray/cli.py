@@ -5,11 +5,13 @@ replica), the OpenAI ingress with the fleet's admission, kvserve's router
 and autoscaling policy.
 
 Runs until SIGINT / SIGTERM, then drains within a bound, as `kvserve serve`
-does: the application is deleted (Ray stops routing to it; requests in
-flight get --shutdown-grace seconds to finish, then their replica is
-stopped and its streams end with an error event), and a cluster started
-here is shut down with all its processes; exit 0. A second signal skips
-what is left of the drain.
+does: every model replica is told the drain began (it stops admitting,
+and requests in flight get --shutdown-grace seconds to finish; a stream
+still running then ends as finish_reason "abort", as `kvserve serve`
+ends it), the application is deleted (Ray stops routing to it and stops
+its replicas once their requests ended), and a cluster started here is
+shut down with all its processes; exit 0. A second signal skips what is
+left of the drain.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ log = logging.getLogger("kvserve.ray")
 SHUTDOWN_MARGIN_S = 10.0
 # How often the main thread looks at the signals (see StopSignals).
 SIGNAL_POLL_S = 0.2
+# For every replica to answer begin_drain (it returns at once; the handle may first learn the replicas).
+DRAIN_NOTICE_TIMEOUT_S = 10.0
 
 
 class StopSignals:
@@ -90,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             signals.wait(1)
         bound_s = args.shutdown_grace + SHUTDOWN_MARGIN_S
         log.info("shutting down: draining the application (at most %.0f s; a second signal stops at once)", bound_s)
-        deleting = Call(serve.delete, args.app_name)
+        deleting = Call(drain_then_delete, args.app_name, deploying.done())
         if not signals.wait(2, deleting.done, bound_s):
             log.warning("the application did not stop within %.0f s; shutting down anyway", bound_s)
     finally:
@@ -98,6 +102,27 @@ def run(args: argparse.Namespace) -> int:
         ray.shutdown()
     log.info("kvserve ray stopped")
     return 0
+
+
+def drain_then_delete(app_name: str, deployed: bool) -> None:
+    """Tell the model replicas the drain began, then delete the application.
+    Ray itself never tells a replica before it kills it at the grace, which
+    would cut the streams still running (an error event, not an abort)."""
+    from ray import serve
+
+    from kvserve.ray.app import MODEL_DEPLOYMENT
+
+    if deployed:
+        try:
+            handle = serve.get_deployment_handle(MODEL_DEPLOYMENT, app_name)
+            answers = handle.broadcast("begin_drain").results(timeout_s=DRAIN_NOTICE_TIMEOUT_S,
+                                                                return_exceptions=True)
+            failed = [a for a in answers if isinstance(a, Exception)]
+            log.info("drain begun on %d model replicas%s", len(answers) - len(failed),
+                     f" ({len(failed)} did not answer: {failed[0]!r})" if failed else "")
+        except Exception as exc:  # the delete below still drains, only the streams' end is an error event
+            log.warning("could not tell the replicas the drain began: %r", exc)
+    serve.delete(app_name)
 
 
 class Call:

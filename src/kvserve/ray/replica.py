@@ -15,9 +15,14 @@ What it records for Ray Serve:
 
 Sleep and wake go through the same app (`POST /sleep?level=N`,
 `POST /wake_up`, `GET /is_sleeping`), so a replica sleeps as a server does.
-Ray drains a replica it scales down (no new requests, the ones in flight
-finish within `graceful_shutdown_timeout_s`) before `__del__`, which then
-drains and stops the engine.
+Ray drains a replica it stops (no new requests, the ones in flight get
+`graceful_shutdown_timeout_s`, then the actor is killed) and calls
+`__del__` only once none is left, so the replica would never learn that a
+drain began, and a stream still running at the kill would be cut. `kvserve
+ray` therefore calls `begin_drain` on every replica before it deletes the
+application: the replica drains as `kvserve serve` does at its own
+shutdown grace, ending what is still running as finish_reason "abort";
+then `__del__` stops the engine.
 """
 
 from __future__ import annotations
@@ -110,6 +115,7 @@ class ModelReplica:
                                                self.block_size), BreakerConfig(), time.monotonic)
         self._queue_wait = HistogramWindow(look_back_s)
         self._stats_number = 0
+        self._drain: asyncio.Task | None = None
         await self.serving.start()  # warm-up: timed into phases, logged, and the startup gauge set
         # From the process's start (Ray's worker start and imports included) to ready.
         phases.record("process_start_to_ready", time.time() - _process_start_time())
@@ -146,9 +152,19 @@ class ModelReplica:
         if self.serving.engine.dead is not None:
             raise RuntimeError(f"engine failed: {self.serving.engine.dead}")
 
+    async def begin_drain(self) -> None:
+        """Stop admitting (503, /ready false) and give the requests in
+        flight the shutdown grace, then abort the rest: a stream ends with a
+        chunk whose finish_reason is "abort", then [DONE]. Returns at once;
+        Ray's drain, waiting for those requests, ends with them."""
+        if self._drain is None:
+            self._drain = asyncio.get_running_loop().create_task(
+                self.serving.drain(self.serving.config.shutdown_grace_s))
+
     async def __del__(self) -> None:
         # Ray has drained its own requests by now; finish or abort what is left, then stop.
-        await self.serving.drain(self.serving.config.shutdown_grace_s)
+        await self.begin_drain()
+        await self._drain
         await self.serving.stop()
 
 

@@ -51,20 +51,35 @@ def test_kv_aware_prefers_where_the_projected_blocks_fit_with_most_headroom():
 def test_prefix_affinity_keeps_a_key_on_one_backend_and_tenants_apart():
     states = [idle(f"b{i}") for i in range(4)]
     pa = router("prefix-affinity")
-    key = affinity_key("alice", b"You are a helpful assistant." * 8)
+    key = affinity_key("alice", "base", b"You are a helpful assistant." * 8)
     picks = {pa.pick(states, RouteRequest(100, 10, key)).position for _ in range(20)}
     assert len(picks) == 1
     # Same prefix, another tenant: another key (and, over many prefixes, other backends).
-    assert affinity_key("bob", b"You are a helpful assistant." * 8) != key
-    assert affinity_key("al", b"ice" + b"x") != affinity_key("alice", b"x")  # no ambiguity at the seam
-    spread = collections.Counter(pa.pick(states, RouteRequest(100, 10, affinity_key("t", f"p{i}".encode()))).position
-                                 for i in range(400))
+    assert affinity_key("bob", "base", b"You are a helpful assistant." * 8) != key
+    assert affinity_key("al", "base", b"ice" + b"x") != affinity_key("alice", "base", b"x")  # no ambiguity at the seam
+    assert affinity_key("t", "ab", b"x") != affinity_key("ta", "b", b"x")  # nor between tenant and model
+    keys = [affinity_key("t", "base", f"p{i}".encode()) for i in range(400)]
+    spread = collections.Counter(pa.pick(states, RouteRequest(100, 10, k)).position for k in keys)
     assert len(spread) == 4 and min(spread.values()) > 40, spread
+
+
+def test_prefix_affinity_keys_one_prefix_under_each_adapter_apart():
+    # A LoRA adapter changes every layer's KV: the same text under two adapters shares no cached block.
+    prefix = b"You are a helpful assistant." * 8
+    states = [idle("b0"), idle("b1")]
+    pa = router("prefix-affinity")
+    sql = [pa.pick(states, RouteRequest(100, 10, affinity_key("alice", "sql", prefix))).position for _ in range(5)]
+    assert len(set(sql)) == 1  # one adapter, one prefix: one backend
+    chat_key = affinity_key("alice", "chat", prefix)
+    assert chat_key not in {affinity_key("alice", "sql", prefix), affinity_key("alice", "base", prefix)}
+    # A key of its own, placed where fewer keys are: the other backend, not beside sql's cache.
+    assert pa.pick(states, RouteRequest(100, 10, chat_key)).position != sql[0]
+    assert pa.placements.num_keys("b0") == pa.placements.num_keys("b1") == 1
 
 
 def test_prefix_affinity_is_bounded_by_load():
     pa = router("prefix-affinity", affinity_slack_s=1.0)
-    key = affinity_key("alice", b"shared system prompt")
+    key = affinity_key("alice", "base", b"shared system prompt")
     states = [idle(f"b{i}") for i in range(3)]
     home = pa.pick(states, RouteRequest(100, 10, key)).position
     # The affine backend queues 4 requests beyond its cap at 2 per second:
@@ -92,7 +107,7 @@ def test_prefix_affinity_places_new_keys_evenly_and_keeps_them():
     # one backend (whose cache then thrashes); placement gives each two.
     pa = router("prefix-affinity")
     states = [idle(f"b{i}") for i in range(4)]
-    keys = [affinity_key("t", f"system prompt {i}".encode()) for i in range(8)]
+    keys = [affinity_key("t", "base", f"system prompt {i}".encode()) for i in range(8)]
     homes = [pa.pick(states, RouteRequest(100, 10, k)) for k in keys]
     assert all(d.reason == AFFINE for d in homes)
     assert sorted(collections.Counter(d.position for d in homes).values()) == [2, 2, 2, 2]
@@ -113,7 +128,7 @@ def test_prefix_affinity_places_new_keys_evenly_and_keeps_them():
 def test_prefix_affinity_forgets_the_least_recently_used_placement():
     pa = router("prefix-affinity", affinity_max_keys=2)
     states = [idle("a"), idle("b", num_running=1)]
-    first, second, third = (affinity_key("t", name.encode()) for name in ("x", "y", "z"))
+    first, second, third = (affinity_key("t", "base", name.encode()) for name in ("x", "y", "z"))
     assert pa.pick(states, RouteRequest(100, 10, first)).position == 0
     assert pa.pick(states, RouteRequest(100, 10, second)).position == 0  # a is still the least loaded
     pa.pick(states, RouteRequest(100, 10, first))  # first is used again: second is the oldest
@@ -125,7 +140,7 @@ def test_prefix_affinity_forgets_the_least_recently_used_placement():
 def test_hash_ring_moves_only_the_keys_of_a_removed_backend():
     names = [f"b{i}" for i in range(5)]
     full, less = HashRing(names, 64), HashRing(names[:-1], 64)
-    keys = [affinity_key("t", f"{i}".encode()) for i in range(500)]
+    keys = [affinity_key("t", "base", f"{i}".encode()) for i in range(500)]
     moved = [k for k in keys if full.walk(k)[0] != less.walk(k)[0]]
     assert moved and all(full.walk(k)[0] == "b4" for k in moved)
     assert all(sorted(full.walk(k)) == sorted(names) for k in keys[:20])

@@ -2,7 +2,8 @@
 simulated replicas (`kvserve serve --simulate --lora-modules`) list and
 serve their adapters as a real server does, and `kvserve gateway` lists the
 backends' adapters in its /v1/models and routes a request for one only to
-the backends that serve it, refusing an unknown name with OpenAI's 404."""
+the backends that serve it, refusing an unknown name with OpenAI's 404;
+prefix affinity keys a prompt by the adapter it runs under."""
 
 from __future__ import annotations
 
@@ -37,8 +38,10 @@ def fleet(tmp_path_factory):
     without = simulated_backend(None, *COMMON, "--enable-lora")
     gw = gateway([with_adapter.url, without.url], "--router", "round-robin", "--state-dir", str(tmp / "state"),
                  "--log-level", "warning")
-    procs = start_all(with_adapter, without, gw)
-    yield {"with": with_adapter, "without": without, "gateway": gw, "tmp": tmp}
+    affine = gateway([with_adapter.url, without.url], "--router", "prefix-affinity", "--state-dir",
+                     str(tmp / "affine-state"), "--log-level", "warning")
+    procs = start_all(with_adapter, without, gw, affine)
+    yield {"with": with_adapter, "without": without, "gateway": gw, "affine": affine, "tmp": tmp}
     for p in procs:
         p.stop()
 
@@ -72,6 +75,20 @@ def test_the_gateway_lists_adapters_and_routes_them_only_to_backends_serving_the
         answer = complete(gw, "sql")
         assert answer.status_code == 200, answer.text
         assert answer.headers["x-kvserve-backend"] == with_url and answer.json()["model"] == "sql"
+
+
+def test_prefix_affinity_keys_the_same_prompt_apart_under_another_adapter(fleet):
+    """An adapter changes every layer's KV (the engine's prefix cache keys
+    blocks by adapter): the same text under the base model and under an
+    adapter is two keys, and one prompt under one adapter keeps one key."""
+    def route_key(model: str) -> str:
+        answer = complete(fleet["affine"].url, model)
+        assert answer.status_code == 200, answer.text
+        return answer.headers["x-kvserve-route-key"]
+
+    sql = route_key("sql")
+    assert route_key("sql") == sql
+    assert route_key(BASE) != sql
 
 
 def test_the_gateway_refuses_an_unknown_model_with_openais_404(fleet):

@@ -5,7 +5,8 @@ left out), a forwarded request answered by the server's app in process
 its histogram, the application's args (the queue-wait limits reach the
 ingress and every replica), the ingress's fleet refusal against them, and
 a replica's own 429 sent to the other replica (or, both full, one 429 with
-the soonest Retry-After)."""
+the soonest Retry-After), and the ingress's prefix-affinity key taking
+the adapter a request runs under."""
 
 from __future__ import annotations
 
@@ -310,6 +311,16 @@ def test_both_replicas_full_give_one_429_with_the_soonest_retry_after():
     assert [name for name, _ in handle.sent] == ["a", "b"]  # each asked once
     assert _metric(ingress, "kvserve_ray_admission_rejections_total", {"reason": "queue_full"}) == 1
     assert not ingress.quotas._in_flight  # its fleet slot is given back
+
+
+def test_the_ingress_keys_one_prompt_apart_under_each_adapter_for_prefix_affinity():
+    handle = _ReplicaHandle()
+    ingress = _ingress_over(handle)
+    ingress.config = dataclasses.replace(ingress.config, router_policy="prefix-affinity")
+    for model in ("sql", "sql", "base"):
+        assert _post(ingress, {"model": model, "prompt": "a shared system prompt", "max_tokens": 4}).status_code == 200
+    sql, sql_again, base = (forwarded.route.affinity_key for forwarded in handle.sent)
+    assert sql is not None and sql == sql_again and base != sql
 
 
 def test_replica_series_label_each_replicas_vllm_series_and_leave_the_rest():

@@ -7,8 +7,8 @@ backends that are eligible now.
 - least-loaded: fewest running + waiting.
 - kv-aware: where the request's projected KV blocks (prompt + max_tokens)
   fit now with the most headroom, after the shortest expected wait.
-- prefix-affinity: a key per tenant and prompt start (a hash of its
-  leading blocks), so a shared prefix keeps landing where it is cached.
+- prefix-affinity: a key per tenant, model and prompt start (a hash of
+  its leading blocks), so a shared prefix keeps landing where it is cached.
   A key seen for the first time is placed on the least-loaded backend,
   ties to the one holding fewest keys, then to the key's owner on a
   consistent-hash ring; it stays there (an LRU table of placements). A
@@ -21,7 +21,10 @@ backends that are eligible now.
   next backend within both in the key's ring order (its overflow lands in
   the same place too); the key does not move. A placement whose backend
   has gone is made again. The tenant is part of the key, so tenants with
-  the same prefix never share a key.
+  the same prefix never share a key; so is the model the request runs
+  under (a base model's or a LoRA adapter's name): an adapter changes
+  every layer's KV, and the engine's prefix cache keys blocks by adapter,
+  so the same text under two adapters shares no block and is two keys.
 
 Ties go to the earlier backend in the list, so a decision depends only on
 the states, the request and what the router decided before (the
@@ -97,7 +100,7 @@ class RouteRequest(NamedTuple):
 
     num_prompt_tokens: int = 0  # the gateway's estimate where it cannot tokenize
     max_tokens: int = 0
-    affinity_key: int | None = None  # affinity_key(tenant, leading prompt bytes)
+    affinity_key: int | None = None  # affinity_key(tenant, model, leading prompt bytes)
 
 
 class RouteDecision(NamedTuple):
@@ -105,12 +108,15 @@ class RouteDecision(NamedTuple):
     reason: str
 
 
-def affinity_key(tenant: str, leading: bytes) -> int:
-    """The ring key of a prompt's leading blocks for one tenant: a tenant's
-    name is hashed in, so two tenants with the same prefix get different
-    keys (a shared cache entry would leak one's prompt to the other)."""
-    name = tenant.encode()
-    digest = hashlib.blake2b(len(name).to_bytes(4, "big") + name + leading, digest_size=8, person=b"kvs-route")
+def affinity_key(tenant: str, model: str, leading: bytes) -> int:
+    """The ring key of a prompt's leading blocks for one tenant and model.
+    The tenant's name is hashed in, so two tenants with the same prefix get
+    different keys (a shared cache entry would leak one's prompt to the
+    other); so is `model`, the name the request runs under (its LoRA
+    adapter's, else its base model's), since KV computed under one adapter
+    is no prefix hit for another."""
+    names = b"".join(len(n).to_bytes(4, "big") + n for n in (tenant.encode(), model.encode()))
+    digest = hashlib.blake2b(names + leading, digest_size=8, person=b"kvs-route")
     return int.from_bytes(digest.digest(), "big")
 
 

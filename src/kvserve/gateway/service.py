@@ -265,7 +265,7 @@ class Gateway:
         if refusal is not None:
             assert refusal.reason is not None and refusal.retry_after_s is not None  # a 429 has both
             return Saturated(refusal.reason, refusal.message, refusal.retry_after_s)
-        route = RouteRequest(inbound.num_prompt_tokens, max_tokens, self._key(pool, inbound, tenant))
+        route = RouteRequest(inbound.num_prompt_tokens, max_tokens, self._key(placement, inbound, tenant))
         body = inbound.body_bytes(pool.model if placement.rename else None, placement.max_tokens)
         tried: set[str] = set()
         full = FullAnswers()
@@ -309,11 +309,13 @@ class Gateway:
         decision = pool.router.pick(candidates, route)
         return candidates[decision.position], decision
 
-    def _key(self, pool: Pool, inbound: Inbound, tenant: Tenant) -> int | None:
-        if pool.router.policy != "prefix-affinity" or not inbound.prompt_bytes:
+    def _key(self, placement: _Placement, inbound: Inbound, tenant: Tenant) -> int | None:
+        """The prefix-affinity key, for the model the request runs under: its
+        adapter's, else its pool's (whatever name, alias or none it was sent with)."""
+        if placement.pool.router.policy != "prefix-affinity" or not inbound.prompt_bytes:
             return None
         num_bytes = self.config.router.affinity_prefix_tokens * BYTES_PER_TOKEN
-        return affinity_key(tenant.name, inbound.prompt_bytes[:num_bytes])
+        return affinity_key(tenant.name, placement.adapter or placement.pool.label, inbound.prompt_bytes[:num_bytes])
 
     async def _send(self, backend: BackendView, inbound: Inbound, body: bytes, headers,
                     http_request) -> proxy.Upstream:

@@ -238,7 +238,9 @@ class Ingress:
             raise IngressError.of(refusal)
         key = None
         if self.config.router_policy == "prefix-affinity" and inbound.prompt_bytes:
-            key = affinity_key(tenant.name, inbound.prompt_bytes[:self.config.affinity_prefix_tokens * BYTES_PER_TOKEN])
+            # Keyed by the name the request runs under (a LoRA adapter's or the model's).
+            key = affinity_key(tenant.name, inbound.model or "",
+                               inbound.prompt_bytes[:self.config.affinity_prefix_tokens * BYTES_PER_TOKEN])
         route = RouteRequest(inbound.num_prompt_tokens, max_tokens, key)
         try:
             return await self._relay(request, raw, route, request_id)

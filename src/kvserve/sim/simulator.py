@@ -357,7 +357,9 @@ class Simulator(ReplicaHost):
         key = None
         if router.policy == "prefix-affinity":
             num_tokens = min(len(prompt), router.config.affinity_prefix_tokens)
-            key = affinity_key(spec.tenant, b"".join(t.to_bytes(4, "little") for t in prompt[:num_tokens]))
+            # Every simulated request runs under the one model its replicas' cache namespace names.
+            key = affinity_key(spec.tenant, self.config.cache_namespace,
+                               b"".join(t.to_bytes(4, "little") for t in prompt[:num_tokens]))
         if router.reads_kv:
             for r in ready:
                 r.catch_up()

@@ -42,6 +42,7 @@ enum { KVQ_Q4_0 = 2, KVQ_Q4_1 = 3, KVQ_Q8_0 = 8 };  /* ggml's type ids */
 enum { KVQ_F32 = 0, KVQ_BF16 = 1 };
 #define QK 32
 #define NR 8
+#define KVQ_MAX_ROWS 8  /* activation rows per matmul tile, at most (the VNNI path's) */
 
 static int g_force_scalar = 0;
 
@@ -98,8 +99,33 @@ int kvq_has_avx2(void) {
 #endif
 }
 
-/* 0: portable C; 2: AVX2. force_scalar != 0 pins the portable path (tests). */
-int kvq_set_isa(int force_scalar) { g_force_scalar = force_scalar; return (!g_force_scalar && kvq_has_avx2()) ? 2 : 0; }
+/* VNNI's vpdpbusd (u8 x s8, 4 products summed into an int32 lane) on 256-bit
+ * registers, EVEX-encoded so the kernels get 32 of them (AVX512VL). */
+int kvq_has_avx512_vnni(void) {
+#ifdef KVQ_X86
+    __builtin_cpu_init();
+    return kvq_has_avx2() && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni");
+#else
+    return 0;
+#endif
+}
+
+static int g_no_vnni = 0;
+
+/* The matmul's path: 0 portable C, 2 AVX2, 3 AVX2 with VNNI. */
+static int matmul_isa(void) {
+    if (g_force_scalar || !kvq_has_avx2()) return 0;
+    return !g_no_vnni && kvq_has_avx512_vnni() ? 3 : 2;
+}
+
+/* mode 0: the best path the CPU has; 1: pin the portable path; 2: AVX2 without
+ * VNNI (tests compare the paths). Returns the matmul's path (as matmul_isa). */
+int kvq_set_isa(int mode) {
+    g_force_scalar = mode == 1;
+    g_no_vnni = mode == 2;
+    return matmul_isa();
+}
 
 /* ---- the pool ------------------------------------------------------------ */
 
@@ -415,7 +441,7 @@ KVQ_AVX2 void group_q8_avx2(const uint8_t* wg, int64_t nb, const int8_t* qa, con
 
 __attribute__((target("avx2,fma,f16c")))
 static void tile_avx2(int wtype, const uint8_t* wg, int64_t nb, const int8_t* qa, const float* da,
-                      const float* sa, int64_t K, int MR, float out[4][NR]) {
+                      const float* sa, int64_t K, int MR, float out[][2 * NR]) {
     const int64_t bb = kvq_block_bytes(wtype);
     __m256 accf[4];
     if (wtype == KVQ_Q8_0) {
@@ -436,19 +462,162 @@ static void tile_avx2(int wtype, const uint8_t* wg, int64_t nb, const int8_t* qa
     }
     for (int r = 0; r < MR; r++) _mm256_storeu_ps(out[r], accf[r]);
 }
+
+/* The same tiles with VNNI, up to 8 activation rows (32 registers hold 8
+ * int32 and 8 float accumulators). vpdpbusd sums 4 u8 x s8 products straight
+ * into int32 lanes: the same integer dot product per (row, block) as maddubs'
+ * int16 pairs (which never saturate here) widened by madd, and the float
+ * epilogue is the AVX2 one, op for op, so the outputs are bit-identical. */
+#define KVQ_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"), always_inline)) static inline
+#define KVQ_VNNI_ROWS KVQ_MAX_ROWS
+
+KVQ_VNNI void group_q4_vnni(const uint8_t* wg, int64_t nb, int64_t bb, int has_m, const int8_t* qa,
+                            const float* da, const float* sa, int64_t K, const int MR, __m256 accf[KVQ_VNNI_ROWS]) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const int nib_off = has_m ? 32 : 16;
+    for (int r = 0; r < MR; r++) accf[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = wg + b * bb;
+        for (int64_t line = 0; line < bb; line += 64) _mm_prefetch((const char*)blk + KVQ_PREFETCH + line, _MM_HINT_T0);
+        __m256i acc32[KVQ_VNNI_ROWS];
+        for (int r = 0; r < MR; r++) acc32[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + nib_off + 32 * c));
+            __m256i wlo = _mm256_and_si256(raw, low), whi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            for (int r = 0; r < MR; r++) {
+                const int8_t* a = qa + r * K + b * QK;
+                acc32[r] = _mm256_dpbusd_epi32(acc32[r], wlo, _mm256_set1_epi32(*(const int32_t*)(a + 4 * c)));
+                acc32[r] = _mm256_dpbusd_epi32(acc32[r], whi, _mm256_set1_epi32(*(const int32_t*)(a + 16 + 4 * c)));
+            }
+        }
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
+        __m256 mw = has_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16)))
+                          : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
+        for (int r = 0; r < MR; r++) {
+            const int64_t ab = r * (K / QK) + b;
+            __m256 dot = _mm256_cvtepi32_ps(acc32[r]);
+            accf[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(da[ab])), accf[r]);
+            accf[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sa[ab]), accf[r]);
+        }
+    }
+}
+
+KVQ_VNNI void group_q8_vnni(const uint8_t* wg, int64_t nb, const int8_t* qa, const float* da, int64_t K,
+                            const int MR, __m256 accf[KVQ_VNNI_ROWS]) {
+    for (int r = 0; r < MR; r++) accf[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = wg + b * 272;
+        for (int64_t line = 0; line < 272; line += 64) _mm_prefetch((const char*)blk + KVQ_PREFETCH + line, _MM_HINT_T0);
+        __m256i acc32[KVQ_VNNI_ROWS];
+        for (int r = 0; r < MR; r++) acc32[r] = _mm256_setzero_si256();
+        for (int st = 0; st < 8; st++) {
+            __m256i w = _mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * st));
+            __m256i wabs = _mm256_sign_epi8(w, w);
+            for (int r = 0; r < MR; r++) {
+                __m256i a = _mm256_set1_epi32(*(const int32_t*)(qa + r * K + b * QK + 4 * st));
+                acc32[r] = _mm256_dpbusd_epi32(acc32[r], wabs, _mm256_sign_epi8(a, w));
+            }
+        }
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
+        for (int r = 0; r < MR; r++) {
+            __m256 dot = _mm256_cvtepi32_ps(acc32[r]);
+            accf[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(da[r * (K / QK) + b])), accf[r]);
+        }
+    }
+}
+
+#define KVQ_VNNI_CASE(MR_)                                                                      \
+    case MR_:                                                                                   \
+        if (wtype == KVQ_Q8_0) group_q8_vnni(wg, nb, qa, da, K, MR_, accf);                    \
+        else group_q4_vnni(wg, nb, bb, wtype == KVQ_Q4_1, qa, da, sa, K, MR_, accf);           \
+        break;
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+static void tile_vnni(int wtype, const uint8_t* wg, int64_t nb, const int8_t* qa, const float* da,
+                      const float* sa, int64_t K, int MR, float out[][2 * NR]) {
+    const int64_t bb = kvq_block_bytes(wtype);
+    __m256 accf[KVQ_VNNI_ROWS] = {0};  /* MR >= 1 always; the compiler cannot tell */
+    switch (MR) {
+        KVQ_VNNI_CASE(8) KVQ_VNNI_CASE(7) KVQ_VNNI_CASE(6) KVQ_VNNI_CASE(5)
+        KVQ_VNNI_CASE(4) KVQ_VNNI_CASE(3) KVQ_VNNI_CASE(2)
+        default: KVQ_VNNI_CASE(1)
+    }
+    for (int r = 0; r < MR; r++) _mm256_storeu_ps(out[r], accf[r]);
+}
+
+/* Two groups (16 weight rows) per tile in 512-bit registers, where a CPU
+ * executes them at the width of two 256-bit ops or better: each lane's integer
+ * dot products and float ops are the 256-bit tile's, so the outputs are too. */
+KVQ_VNNI void pair_q4_vnni(const uint8_t* wg0, const uint8_t* wg1, int64_t nb, int64_t bb, int has_m,
+                           const int8_t* qa, const float* da, const float* sa, int64_t K, const int MR,
+                           __m512 accf[KVQ_VNNI_ROWS]) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const int nib_off = has_m ? 32 : 16;
+    for (int r = 0; r < MR; r++) accf[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk0 = wg0 + b * bb, *blk1 = wg1 + b * bb;
+        __m512i acc32[KVQ_VNNI_ROWS];
+        for (int r = 0; r < MR; r++) acc32[r] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) {
+            __m512i raw = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk0 + nib_off + 32 * c))),
+                _mm256_loadu_si256((const __m256i*)(blk1 + nib_off + 32 * c)), 1);
+            __m512i wlo = _mm512_and_si512(raw, low), whi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            for (int r = 0; r < MR; r++) {
+                const int8_t* a = qa + r * K + b * QK;
+                acc32[r] = _mm512_dpbusd_epi32(acc32[r], wlo, _mm512_set1_epi32(*(const int32_t*)(a + 4 * c)));
+                acc32[r] = _mm512_dpbusd_epi32(acc32[r], whi, _mm512_set1_epi32(*(const int32_t*)(a + 16 + 4 * c)));
+            }
+        }
+        __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)blk0)), _mm_loadu_si128((const __m128i*)blk1), 1));
+        __m512 mw = has_m ? _mm512_cvtph_ps(_mm256_inserti128_si256(
+                                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(blk0 + 16))),
+                                _mm_loadu_si128((const __m128i*)(blk1 + 16)), 1))
+                          : _mm512_mul_ps(dw, _mm512_set1_ps(-8.f));
+        for (int r = 0; r < MR; r++) {
+            const int64_t ab = r * (K / QK) + b;
+            __m512 dot = _mm512_cvtepi32_ps(acc32[r]);
+            accf[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(da[ab])), accf[r]);
+            accf[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sa[ab]), accf[r]);
+        }
+    }
+}
+
+#define KVQ_PAIR_CASE(MR_) \
+    case MR_: pair_q4_vnni(wg0, wg1, nb, bb, wtype == KVQ_Q4_1, qa, da, sa, K, MR_, accf); break;
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+static void pair_tile_vnni(int wtype, const uint8_t* wg0, const uint8_t* wg1, int64_t nb, const int8_t* qa,
+                           const float* da, const float* sa, int64_t K, int MR, float out[][2 * NR]) {
+    const int64_t bb = kvq_block_bytes(wtype);
+    __m512 accf[KVQ_VNNI_ROWS];
+    switch (MR) {
+        KVQ_PAIR_CASE(8) KVQ_PAIR_CASE(7) KVQ_PAIR_CASE(6) KVQ_PAIR_CASE(5)
+        KVQ_PAIR_CASE(4) KVQ_PAIR_CASE(3) KVQ_PAIR_CASE(2)
+        default: KVQ_PAIR_CASE(1)
+    }
+    for (int r = 0; r < MR; r++) _mm512_storeu_ps(out[r], accf[r]);
+}
 #endif
 
-/* Rows n0.. of one group (at most 8) for activation rows m0..m0+MR-1. */
-static void matmul_tile(int wtype, const uint8_t* wg, int64_t nb, int64_t K, int64_t n0, int64_t N,
-                        const int8_t* qa, const float* da, const float* sa, int64_t m0, int MR,
-                        void* y, int ytype, int64_t ldy, const void* add, int addtype, int64_t ldadd, int avx2) {
+/* Activation rows per tile: the most a path's registers hold. */
+static int tile_rows(int isa) { return isa == 3 ? KVQ_VNNI_ROWS : 4; }
+
+/* Rows n0.. of one or two groups (at most 8 per group) for activation rows m0..m0+MR-1. */
+static void matmul_tile(int wtype, const uint8_t* wg, int64_t nb, int64_t bb, int num_groups, int64_t K,
+                        int64_t n0, int64_t N, const int8_t* qa, const float* da, const float* sa, int64_t m0, int MR,
+                        void* y, int ytype, int64_t ldy, const void* add, int addtype, int64_t ldadd, int isa) {
     const size_t ysz = ytype == KVQ_BF16 ? 2 : 4, asz = addtype == KVQ_BF16 ? 2 : 4;
-    const int64_t count = N - n0 < NR ? N - n0 : NR;
-    float acc[4][NR];
+    const int64_t count = N - n0 < num_groups * NR ? N - n0 : num_groups * NR;
+    float acc[KVQ_MAX_ROWS][2 * NR];
 #ifdef KVQ_X86
-    if (avx2) tile_avx2(wtype, wg, nb, qa + m0 * K, da + m0 * nb, sa + m0 * nb, K, MR, acc);
+    if (num_groups == 2)
+        pair_tile_vnni(wtype, wg, wg + nb * bb, nb, qa + m0 * K, da + m0 * nb, sa + m0 * nb, K, MR, acc);
+    else if (isa == 3) tile_vnni(wtype, wg, nb, qa + m0 * K, da + m0 * nb, sa + m0 * nb, K, MR, acc);
+    else if (isa == 2) tile_avx2(wtype, wg, nb, qa + m0 * K, da + m0 * nb, sa + m0 * nb, K, MR, acc);
 #endif
-    if (!avx2)
+    if (isa == 0)
         for (int r = 0; r < MR; r++)
             group_dot_scalar(wtype, wg, nb, qa + (m0 + r) * K, da + (m0 + r) * nb, sa + (m0 + r) * nb, acc[r]);
     for (int r = 0; r < MR; r++) {
@@ -462,7 +631,7 @@ static void matmul_tile(int wtype, const uint8_t* wg, int64_t nb, int64_t K, int
 /* ---- the public matmul ---------------------------------------------------- */
 
 typedef struct {
-    int wtype, xtype, xop, ytype, addtype, avx2;
+    int wtype, xtype, xop, ytype, addtype, isa;
     const uint8_t* w;
     int64_t N, K, nb, bb, groups, ldx, M, ldy, ldadd;
     const void *x, *norm_w, *add;
@@ -479,19 +648,23 @@ static void quantize_chunk(const void* ctx, int64_t chunk) {
     const matmul_job* j = ctx;
     const int64_t m1 = (chunk + 1) * KVQ_QUANT_ROWS < j->M ? (chunk + 1) * KVQ_QUANT_ROWS : j->M;
     for (int64_t m = chunk * KVQ_QUANT_ROWS; m < m1; m++)
-        quantize_row(j->x, j->xtype, j->K, j->ldx, j->xop, j->norm_w, j->eps, m, j->qa, j->da, j->sa, j->avx2);
+        quantize_row(j->x, j->xtype, j->K, j->ldx, j->xop, j->norm_w, j->eps, m, j->qa, j->da, j->sa, j->isa != 0);
 }
 
 /* A chunk's weights (KVQ_GROUPS groups, ~12 KB at K=576) stay in L1 while every
- * activation row passes over them, 4 rows per tile. */
+ * activation row passes over them, tile_rows() rows per tile. */
 static void matmul_chunk(const void* ctx, int64_t chunk) {
     const matmul_job* j = ctx;
     const int64_t g0 = chunk * KVQ_GROUPS, g1 = g0 + KVQ_GROUPS < j->groups ? g0 + KVQ_GROUPS : j->groups;
-    for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
-        const int MR = (int)(j->M - m0 < 4 ? j->M - m0 : 4);
-        for (int64_t g = g0; g < g1; g++)
-            matmul_tile(j->wtype, j->w + g * j->nb * j->bb, j->nb, j->K, g * NR, j->N, j->qa, j->da, j->sa, m0, MR,
-                        j->y, j->ytype, j->ldy, j->add, j->addtype, j->ldadd, j->avx2);
+    const int rows = tile_rows(j->isa), pairs = j->isa == 3 && j->wtype != KVQ_Q8_0;
+    int num_groups = 1;
+    for (int64_t m0 = 0; m0 < j->M; m0 += rows) {
+        const int MR = (int)(j->M - m0 < rows ? j->M - m0 : rows);
+        for (int64_t g = g0; g < g1; g += num_groups) {
+            num_groups = pairs && g + 1 < g1 ? 2 : 1;
+            matmul_tile(j->wtype, j->w + g * j->nb * j->bb, j->nb, j->bb, num_groups, j->K, g * NR, j->N, j->qa,
+                        j->da, j->sa, m0, MR, j->y, j->ytype, j->ldy, j->add, j->addtype, j->ldadd, j->isa);
+        }
     }
 }
 
@@ -521,7 +694,7 @@ int kvq_matmul(int wtype, const uint8_t* w, int64_t N, int64_t K, const void* x,
     const int64_t nb = K / QK;
     uint8_t* scratch = scratch_for(M * K + 8 * M * nb);
     if (scratch == NULL) return -1;
-    matmul_job j = {wtype, xtype, xop, ytype, addtype, !g_force_scalar && kvq_has_avx2(), w, N, K, nb,
+    matmul_job j = {wtype, xtype, xop, ytype, addtype, matmul_isa(), w, N, K, nb,
                     kvq_block_bytes(wtype), (N + NR - 1) / NR, ldx, M, ldy, ldadd, x, norm_w, add, eps, y,
                     (int8_t*)scratch, NULL, NULL};
     j.da = (float*)(scratch + M * K);

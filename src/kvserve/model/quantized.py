@@ -96,9 +96,20 @@ def kernel_threads() -> int:
     return torch.get_num_threads()
 
 
+_ISA_MODES = {"best": 0, "portable": 1, "avx2": 2}  # kvq_set_isa's modes
+_ISA_NAMES = {0: "portable", 2: "avx2", 3: "avx512_vnni"}  # its answers: the matmul's path
+
+
+def set_isa(isa: str) -> str:
+    """Pin the matmul's code path: "portable" (C), "avx2" (AVX2 without VNNI),
+    or "best" (the CPU's best: AVX512-VNNI where it has it). Returns the path
+    taken ("portable", "avx2" or "avx512_vnni"); tests run each."""
+    return _ISA_NAMES[require_kernels().kvq_set_isa(_ISA_MODES[isa])]
+
+
 def set_portable(portable: bool) -> str:
-    """Pin the portable C path (True) or let the CPU pick (False); tests run both."""
-    return "avx2" if require_kernels().kvq_set_isa(int(portable)) == 2 else "portable"
+    """Pin the portable C path (True) or let the CPU pick (False)."""
+    return set_isa("portable" if portable else "best")
 
 
 def pack_gguf_rows(qtype: str, rows: np.ndarray) -> Tensor:

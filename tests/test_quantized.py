@@ -319,6 +319,48 @@ def test_native_decode_step_is_bit_identical_to_the_layer_by_layer_path(qtype):
 
 
 
+def test_native_steps_build_no_sdpa_context_and_match_steps_that_do(monkeypatch):
+    """A quantized CPU model attends in the native kernels, so the runner builds
+    its steps without SDPA's gathered context slots and causal mask; the float
+    model's steps keep them. The hidden states of the native model's steps,
+    prefill and decode, are the same bits as the same step built with them."""
+    import kvserve.runner.model_runner as model_runner_module
+    from kvserve.contract import SamplingParams
+    from kvserve.runner.step_batch import build_step_batch
+    from tests.tiny_models import random_prompts, run_to_completion, tiny_engine, tiny_llama
+
+    hf = tiny_llama(seed=6)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts([11, 30, 6], seed=8)
+    for quantization, native in (("q4_1", True), ("none", False)):
+        engine = tiny_engine(hf, quantization=quantization)
+        runner, model = engine.runner, engine.runner.model
+        assert model.attends_natively is native
+        steps, forward = [], model.forward
+
+        def building(chunks, *args, _steps=steps, **kwargs):
+            batch = build_step_batch(chunks, *args, **kwargs)
+            _steps.append({"meta": batch.meta, "chunks": chunks})
+            return batch
+
+        def forward_twice(token_ids, kv_caches, meta, lora=None, _steps=steps, _forward=forward):
+            out = _forward(token_ids, kv_caches, meta, lora).clone()
+            # the same step again, built with SDPA's context: it rewrites the same K/V
+            full = build_step_batch(_steps[-1]["chunks"], runner.block_size, runner.device).meta
+            _steps[-1]["same"] = torch.equal(out, _forward(token_ids, kv_caches, full, lora))
+            return out
+
+        monkeypatch.setattr(model_runner_module, "build_step_batch", building)
+        model.forward = forward_twice
+        run_to_completion(engine, prompts, params)
+        metas = [step["meta"] for step in steps]
+        assert any(m.max_query_len > 1 for m in metas) and any(m.is_decode_only for m in metas)
+        for step in steps:
+            assert (step["meta"].context_slots is None) is native, quantization
+            assert (step["meta"].attn_mask is None) or not native
+            assert step["same"], f"{quantization}: a step's hidden states depend on SDPA's context being built"
+
+
 @pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
 def test_a_verifying_step_runs_in_the_one_call_step_with_the_causal_mask(qtype):
     """A step of drafts under verification (1 + k tokens per sequence) beside a

@@ -32,9 +32,12 @@ class AttentionMetadata:
     slot_mapping:  [T] int64, cache slot each token's K/V is written to
     query_index:   [T] int64, each token's row in the padded [B * max_query_len] query grid
     context_slots: [B, max_context_len] int64, cache slot of each context position
-                   (positions past a sequence's length point at any valid slot; masked)
+                   (positions past a sequence's length point at any valid slot; masked);
+                   None where the step was built for a model whose attention runs in
+                   the native kernels (`attends_natively`), which never read it
     attn_mask:     [B, 1, max_query_len, max_context_len] bool (True = attend), or None
-                   when every sequence sees its whole context (one-token steps of equal length)
+                   when every sequence sees its whole context (one-token steps of equal
+                   length), or when context_slots is None
     context_lens:  [B] int64, each sequence's context length including this step's
                    tokens (read by the CUDA decode kernel; None where not built)
     block_table:   [B, max_blocks] int64, each sequence's cache blocks (read in
@@ -51,7 +54,7 @@ class AttentionMetadata:
     positions: Tensor
     slot_mapping: Tensor
     query_index: Tensor
-    context_slots: Tensor
+    context_slots: Tensor | None
     attn_mask: Tensor | None
     num_seqs: int
     max_query_len: int
@@ -86,6 +89,9 @@ def paged_attention(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale:
         out = _cuda_decode_attention(q, kv_cache, meta, scale)
         if out is not None:
             return out
+    if meta.context_slots is None:
+        raise ValueError("this step's metadata was built for the native attention kernels, without "
+                         "SDPA's gathered context (build_step_batch's sdpa_context)")
     hkv = kv_cache.shape[2]
     group = h // hkv
     # context: [B, Lmax, 2, Hkv, D] gathered through the block tables
@@ -107,6 +113,16 @@ def paged_attention(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale:
     out = F.scaled_dot_product_attention(q_grid, k, v, attn_mask=mask, scale=scale)
     out = out.view(b, hkv, group, qmax, d).permute(0, 3, 1, 2, 4).reshape(b * qmax, h, d)
     return out.index_select(0, meta.query_index)
+
+
+# The native attention kernel's buffers (csrc's KVQ_MAX_GROUP, KVQ_MAX_D).
+NATIVE_MAX_GROUP, NATIVE_MAX_HEAD_DIM = 16, 256
+
+
+def native_attention_takes(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether kvq_decode_attention runs this head shape (else native_attention
+    falls back to SDPA)."""
+    return num_heads // num_kv_heads <= NATIVE_MAX_GROUP and head_dim <= NATIVE_MAX_HEAD_DIM
 
 
 def native_attention(qkv: Tensor, kv_cache: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata,

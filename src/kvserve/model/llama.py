@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvserve.model.attention import AttentionMetadata, native_attention, paged_attention
+from kvserve.model.attention import AttentionMetadata, native_attention, native_attention_takes, paged_attention
 from kvserve.model_facts.config import ModelConfig
 from kvserve.model.device import resolve_device
 from kvserve.model.quantized import NativeLayer, QuantizedWeight, activation_type, kernel_threads, require_kernels
@@ -321,6 +321,11 @@ class LlamaModel:
             isinstance(lin, QuantizedWeight) for layer in self.layers for lin in layer.linears())
         for layer in self.layers:
             layer.native_ops = self.native_ops
+        # Every step's attention then runs in the native kernels, which read the
+        # paged cache through block tables: the runner builds no gathered
+        # context or causal mask for SDPA (build_step_batch's sdpa_context).
+        self.attends_natively = self.native_ops and native_attention_takes(
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
         # Steps run every layer in one native call where the layers allow it;
         # None: layer by layer (tests set it to compare the two).
         self.native_decode = NativeDecode(self.layers) if NativeDecode.supports(self.layers) else None

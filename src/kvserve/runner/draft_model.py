@@ -137,7 +137,8 @@ class DraftModelProposer:
                     q_rows: dict[str, list[Tensor]]) -> list[int]:
         """One forward pass of the draft over `chunks`; one draft token per request."""
         draft = self.draft
-        batch = build_step_batch(chunks, draft.block_size, draft.device)
+        batch = build_step_batch(chunks, draft.block_size, draft.device,
+                                 sdpa_context=not draft.model.attends_natively)
         hidden = draft.model.forward(batch.token_ids, draft.kv_caches, batch.meta)
         logits = draft.model.compute_logits(hidden.index_select(0, batch.sample_rows))
         tokens = logits.argmax(dim=-1).tolist()

@@ -207,7 +207,8 @@ class ModelRunner:
         if lora is None and self.decode_graphs is not None and self.decode_graphs.accepts(chunks):
             return self.sampler.sample(self.decode_graphs.run(chunks), [c.request for c in chunks],
                                        sampling_states)
-        batch = build_step_batch(chunks, self.block_size, self.device)
+        batch = build_step_batch(chunks, self.block_size, self.device,
+                                 sdpa_context=not self.model.attends_natively)
         hidden = self.model.forward(batch.token_ids, self.kv_caches, batch.meta, lora)
         if not batch.sample_requests:
             return SamplerOutput({}, {})

@@ -38,9 +38,12 @@ class StepBatch:
 
 
 def build_step_batch(chunks: Sequence["ScheduledChunk"], block_size: int,
-                     device: torch.device) -> StepBatch:
+                     device: torch.device, *, sdpa_context: bool = True) -> StepBatch:
     """Index tensors for one step: flat positions and slots, padded query grid,
-    context slots per sequence, causal mask."""
+    block tables, and for SDPA (sdpa_context) the context slots per sequence
+    and the causal mask. A model whose attention runs in the native kernels
+    (LlamaModel.attends_natively) reads neither: the runner passes False and
+    the step skips building them (B x Lmax slots and a B x Qmax x Lmax mask)."""
     num_seqs = len(chunks)
     num_new = np.fromiter((c.num_new_tokens for c in chunks), dtype=np.int64, count=num_seqs)
     starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=num_seqs)
@@ -57,14 +60,16 @@ def build_step_batch(chunks: Sequence["ScheduledChunk"], block_size: int,
 
     max_query_len = int(num_new.max())
     max_context_len = int(context_lens.max())
-    # Context positions past a sequence's end are clamped to its last position: a
-    # written slot, masked out below, so uninitialised cache memory is never read.
-    context_pos = np.minimum(np.arange(max_context_len)[None, :], context_lens[:, None] - 1)
-    rows = np.arange(num_seqs)[:, None]
-    context_slots = block_table[rows, context_pos // block_size] * block_size + context_pos % block_size
     query_index = seq_of_token * max_query_len + offset_in_chunk
-    attn_mask = _causal_mask(positions, query_index, num_seqs, max_query_len, max_context_len,
-                             context_lens)
+    context_slots = attn_mask = None
+    if sdpa_context:
+        # Context positions past a sequence's end are clamped to its last position: a
+        # written slot, masked out below, so uninitialised cache memory is never read.
+        context_pos = np.minimum(np.arange(max_context_len)[None, :], context_lens[:, None] - 1)
+        rows = np.arange(num_seqs)[:, None]
+        context_slots = block_table[rows, context_pos // block_size] * block_size + context_pos % block_size
+        attn_mask = _causal_mask(positions, query_index, num_seqs, max_query_len, max_context_len,
+                                 context_lens)
 
     sampling = [i for i, c in enumerate(chunks) if c.samples]
     def to(array: np.ndarray) -> Tensor:
@@ -82,7 +87,8 @@ def build_step_batch(chunks: Sequence["ScheduledChunk"], block_size: int,
     query_rows = max_query_len > 1
     meta = AttentionMetadata(
         positions=to(positions), slot_mapping=to(slot_mapping), query_index=to(query_index),
-        context_slots=to(context_slots), attn_mask=None if attn_mask is None else to(attn_mask),
+        context_slots=None if context_slots is None else to(context_slots),
+        attn_mask=None if attn_mask is None else to(attn_mask),
         num_seqs=num_seqs, max_query_len=max_query_len, context_lens=to(context_lens),
         block_table=to(block_table), block_size=block_size,
         query_block_table=to(block_table[seq_of_token]) if query_rows else None,

@@ -877,16 +877,17 @@ KVQ_AVX2 __m256 cache8_avx2(const char* row, int dtype, int64_t i) { return load
 
 /* attend_one for D % 32 == 0 with AVX2: the same online softmax, keys and
  * values read in place (no tile copy), four keys' dot products and four
- * output vectors in flight at a time, so the FMAs are not one dependency chain. */
-__attribute__((target("avx2,fma,f16c")))
-static void attend_one_avx2(const float* qs, int64_t group, int64_t D, const char* cache, int dtype, int64_t Hkv,
-                            int64_t kvh, const int64_t* blocks, int64_t block_size, int64_t L, float* acc) {
+ * output vectors in flight at a time, so the FMAs are not one dependency chain.
+ * One query row's state across tiles (its running max, denominator, output). */
+typedef struct { float mx[KVQ_MAX_GROUP], den[KVQ_MAX_GROUP]; } softmax_state;
+
+/* Positions p0..p0+n-1 of one query row: the tile's key and value rows. */
+KVQ_AVX2 void attend_tile_avx2(const float* qs, int64_t group, int64_t D, const char* cache, int dtype,
+                               int64_t Hkv, int64_t kvh, const int64_t* blocks, int64_t block_size, int64_t p0,
+                               int64_t n, softmax_state* st, float* acc) {
     const size_t esz = dtype == KVQ_BF16 ? 2 : 4, slot_bytes = (size_t)2 * Hkv * D * esz;
-    float mx[KVQ_MAX_GROUP], den[KVQ_MAX_GROUP], sc[KVQ_MAX_GROUP][KVQ_TILE];
-    for (int64_t g = 0; g < group; g++) { mx[g] = -INFINITY; den[g] = 0.f; }
-    for (int64_t i = 0; i < group * D; i++) acc[i] = 0.f;
-    for (int64_t p0 = 0; p0 < L; p0 += KVQ_TILE) {
-        const int64_t n = L - p0 < KVQ_TILE ? L - p0 : KVQ_TILE;
+    float *mx = st->mx, *den = st->den, sc[KVQ_MAX_GROUP][KVQ_TILE];
+    {
         const char *krow[KVQ_TILE + 3], *vrow[KVQ_TILE];
         for (int64_t j = 0; j < n; j++) {
             const int64_t p = p0 + j;
@@ -943,31 +944,73 @@ static void attend_one_avx2(const float* qs, int64_t group, int64_t D, const cha
                 _mm256_storeu_ps(ag + 16, a2); _mm256_storeu_ps(ag + 24, a3);
             }
     }
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t i = 0; i < D; i++) acc[g * D + i] /= den[g];
+}
+
+/* Query rows r0..r1-1 (one KV head), tile by tile: each row does exactly the
+ * work it would alone (its own block table, context and tiles, so the same
+ * results), but the rows of one sequence, a prefill's consecutive tokens,
+ * read each tile's keys and values from L1 after the first row instead of
+ * each streaming its whole context from L2/L3. */
+__attribute__((target("avx2,fma,f16c")))
+static void attend_rows_avx2(const float* qs, int64_t group, int64_t D, const char* cache, int dtype, int64_t Hkv,
+                             int64_t kvh, const int64_t* block_table, int64_t max_blocks, int64_t block_size,
+                             const int64_t* context_lens, int64_t r0, int64_t r1, softmax_state* st, float* acc) {
+    const int64_t width = group * D;
+    int64_t longest = 0;
+    for (int64_t r = r0; r < r1; r++) {
+        softmax_state* s = st + (r - r0);
+        for (int64_t g = 0; g < group; g++) { s->mx[g] = -INFINITY; s->den[g] = 0.f; }
+        for (int64_t i = 0; i < width; i++) acc[(r - r0) * width + i] = 0.f;
+        longest = context_lens[r] > longest ? context_lens[r] : longest;
+    }
+    for (int64_t p0 = 0; p0 < longest; p0 += KVQ_TILE)
+        for (int64_t r = r0; r < r1; r++) {
+            const int64_t L = context_lens[r];
+            if (p0 >= L) continue;
+            attend_tile_avx2(qs + (r - r0) * width, group, D, cache, dtype, Hkv, kvh, block_table + r * max_blocks,
+                             block_size, p0, L - p0 < KVQ_TILE ? L - p0 : KVQ_TILE, st + (r - r0),
+                             acc + (r - r0) * width);
+        }
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t i = 0; i < D; i++) acc[(r - r0) * width + g * D + i] /= st[r - r0].den[g];
 }
 #endif
 
 typedef struct {
     const void* q; int dtype; int64_t ldq; const void* cache; const int64_t *block_table, *context_lens;
     int64_t max_blocks, block_size, H, Hkv, D; float scale; void* out; int avx2;
+    int64_t B, rows_per_item;
 } attention_job;
 
-static void attend_chunk(const void* ctx, int64_t item) {  /* one (sequence, KV head) */
+/* Query rows per work item, at most (and as many as the buffers of one
+ * row of the largest head shape hold): a tile's K/V (2 x 32 x D) is shared by
+ * up to this many rows. */
+#define KVQ_ATTEND_ROWS 16
+
+static void attend_chunk(const void* ctx, int64_t item) {  /* rows_per_item query rows, one KV head */
     const attention_job* j = ctx;
-    const int64_t b = item / j->Hkv, kvh = item % j->Hkv, group = j->H / j->Hkv, D = j->D;
-    float qs[KVQ_MAX_GROUP * KVQ_MAX_D], acc[KVQ_MAX_GROUP * KVQ_MAX_D];
+    const int64_t kvh = item % j->Hkv, group = j->H / j->Hkv, D = j->D, width = group * D;
+    const int64_t r0 = item / j->Hkv * j->rows_per_item;
+    const int64_t r1 = r0 + j->rows_per_item < j->B ? r0 + j->rows_per_item : j->B;
+    float qs[KVQ_MAX_GROUP * KVQ_MAX_D], acc[KVQ_MAX_GROUP * KVQ_MAX_D];  /* rows_per_item rows of width */
     if (group < 1 || D < 1) return;  /* refused by the caller; tells the compiler qs is written */
-    for (int64_t i = 0; i < group * D; i++) qs[i] = load_x(j->q, j->dtype, b * j->ldq + kvh * group * D + i) * j->scale;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t i = 0; i < width; i++)
+            qs[(r - r0) * width + i] = load_x(j->q, j->dtype, r * j->ldq + kvh * width + i) * j->scale;
 #ifdef KVQ_X86
-    if (j->avx2 && D % 32 == 0)
-        attend_one_avx2(qs, group, D, (const char*)j->cache, j->dtype, j->Hkv, kvh, j->block_table + b * j->max_blocks,
-                        j->block_size, j->context_lens[b], acc);
-    else
+    if (j->avx2 && D % 32 == 0) {
+        softmax_state st[KVQ_ATTEND_ROWS];
+        attend_rows_avx2(qs, group, D, (const char*)j->cache, j->dtype, j->Hkv, kvh, j->block_table, j->max_blocks,
+                         j->block_size, j->context_lens, r0, r1, st, acc);
+    } else
 #endif
-    attend_one(qs, group, D, (const char*)j->cache, j->dtype, j->Hkv, kvh, j->block_table + b * j->max_blocks,
-               j->block_size, j->context_lens[b], acc);
-    for (int64_t i = 0; i < group * D; i++) store_y(j->out, j->dtype, b * j->H * D + kvh * group * D + i, acc[i]);
+    for (int64_t r = r0; r < r1; r++)
+        attend_one(qs + (r - r0) * width, group, D, (const char*)j->cache, j->dtype, j->Hkv, kvh,
+                   j->block_table + r * j->max_blocks, j->block_size, j->context_lens[r], acc + (r - r0) * width);
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t i = 0; i < width; i++)
+            store_y(j->out, j->dtype, r * j->H * D + kvh * width + i, acc[(r - r0) * width + i]);
 }
 
 /* 0 when the shapes fit the kernel's fixed buffers, else -1 (nothing written). */
@@ -975,12 +1018,19 @@ int kvq_decode_attention(const void* q, int dtype, int64_t ldq, const void* cach
                          int64_t max_blocks, const int64_t* context_lens, int64_t block_size, int64_t B,
                          int64_t H, int64_t Hkv, int64_t D, float scale, void* out, int num_threads) {
     if (H / Hkv > KVQ_MAX_GROUP || D > KVQ_MAX_D) return -1;
+    /* Rows per item: as many as leave ~16 items per thread (a decode step's
+     * rows, one per sequence, share nothing and stay one per item). */
+    const int64_t fit = KVQ_MAX_GROUP * KVQ_MAX_D / (H / Hkv * D);  /* rows the buffers hold */
+    int64_t rows_per_item = B * Hkv / (16 * (int64_t)(num_threads > 1 ? num_threads : 1));
+    rows_per_item = rows_per_item > KVQ_ATTEND_ROWS ? KVQ_ATTEND_ROWS : rows_per_item;
+    rows_per_item = rows_per_item > fit ? fit : rows_per_item < 1 ? 1 : rows_per_item;
     attention_job j = {q, dtype, ldq, cache, block_table, context_lens, max_blocks, block_size, H, Hkv, D, scale, out,
-                       !g_force_scalar && kvq_has_avx2()};
+                       !g_force_scalar && kvq_has_avx2(), B, rows_per_item};
     /* Below ~1,000 positions in all, one (sequence, head) takes microseconds: no helpers. */
     int64_t positions = 0;
     for (int64_t b = 0; b < B; b++) positions += context_lens[b];
-    parallel_chunks(positions * Hkv < 1024 ? 1 : num_threads, B * Hkv, attend_chunk, &j);
+    parallel_chunks(positions * Hkv < 1024 ? 1 : num_threads, (B + rows_per_item - 1) / rows_per_item * Hkv,
+                    attend_chunk, &j);
     return 0;
 }
 

@@ -217,6 +217,43 @@ def test_steps_with_several_tokens_per_sequence_attend_causally_like_sdpa(isa, d
     torch.testing.assert_close(native.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_rows_sharing_a_work_item_get_the_bits_they_get_alone(isa, dtype):
+    """The kernel attends a prefill's query rows several to a work item, tile by
+    tile, so the rows of one sequence share each tile's K/V reads; each row still
+    does its own work on its own context, so every output equals the same row's
+    attended alone (one row per call), across items spanning two sequences."""
+    import ctypes
+
+    from kvserve.runner.step_batch import build_step_batch
+    from kvserve.scheduler.scheduler import ScheduledChunk
+    from types import SimpleNamespace
+
+    h, hkv, d, block_size = 6, 2, 32, 4
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(2)).tolist()  # scattered blocks
+    shapes, blocks = [(0, 203), (9, 6), (70, 1)], [order[:51], order[51:55], order[45:63]]
+    request = SimpleNamespace(token_ids_slice=lambda start, end: [1] * (end - start))
+    chunks = [ScheduledChunk(request, start, n, b, True) for (start, n), b in zip(shapes, blocks)]
+    table, lens = build_step_batch(chunks, block_size, torch.device("cpu")).meta.decode_rows()
+    rows = lens.numel()
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(64 * block_size, 2, hkv, d, generator=gen).to(dtype)
+    q = torch.randn(rows, h * d, generator=gen).to(dtype)
+    lib = quantized.require_kernels()
+    act = 0 if dtype == torch.float32 else 1
+
+    def attend(first: int, count: int) -> torch.Tensor:
+        out = torch.empty(count, h * d, dtype=dtype)
+        assert lib.kvq_decode_attention(q[first].data_ptr(), act, q.stride(0), cache.data_ptr(),
+                                        table[first].data_ptr(), table.shape[1], lens[first].data_ptr(), block_size,
+                                        count, h, hkv, d, 0.2, out.data_ptr(), 2) == 0
+        return out
+
+    together = attend(0, rows)
+    for row in range(rows):
+        assert torch.equal(together[row], attend(row, 1)[0]), f"row {row} (context {int(lens[row])})"
+
+
 # ---- --quantization at load and in the runner ------------------------------------
 
 def _tiny_gguf(tmp_path, qtype_name: str):

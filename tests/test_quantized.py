@@ -223,11 +223,10 @@ def test_attention_rows_sharing_a_work_item_get_the_bits_they_get_alone(isa, dty
     tile, so the rows of one sequence share each tile's K/V reads; each row still
     does its own work on its own context, so every output equals the same row's
     attended alone (one row per call), across items spanning two sequences."""
-    import ctypes
+    from types import SimpleNamespace
 
     from kvserve.runner.step_batch import build_step_batch
     from kvserve.scheduler.scheduler import ScheduledChunk
-    from types import SimpleNamespace
 
     h, hkv, d, block_size = 6, 2, 32, 4
     order = torch.randperm(64, generator=torch.Generator().manual_seed(2)).tolist()  # scattered blocks

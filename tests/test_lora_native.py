@@ -1,26 +1,29 @@
 """LoRA adapters inside the one-call decode step (csrc's kvq_decode_layers
 with a kvq_lora_step) against the per-layer Python update (model/lora.LoraStep),
 on a tiny quantized model: several adapters of odd ranks and partial targets,
-one slot's tokens over more than one segment, beside base-model rows."""
+one slot's tokens over more than one segment, beside base-model rows; the
+kernel's AVX2 tiles and its portable loops alike."""
 
 import pytest
 import torch
 
 from kvserve.contract import SamplingParams
+from kvserve.model import quantized
 from tests.tiny_models import random_prompts, tiny_engine, tiny_llama, tiny_peft_adapter
 
 STEPS = 6
 GREEDY = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
-# Odd ranks, one adapter on attention only with a per-module rank, one on the MLP only.
+# Odd ranks, one adapter on attention only with a per-module rank, one on the MLP only whose
+# rank passes 16 (the AVX2 tiles' width: one full tile of columns, then a partial one).
 ADAPTERS = {
     "r3-all": dict(r=3, lora_alpha=6),
     "r5-attention": dict(r=5, lora_alpha=5, target_modules=("q_proj", "v_proj", "o_proj"),
                          rank_pattern={"v_proj": 1}),
-    "r7-mlp": dict(r=7, lora_alpha=14, target_modules=("gate_proj", "up_proj", "down_proj")),
+    "r19-mlp": dict(r=19, lora_alpha=38, target_modules=("gate_proj", "up_proj", "down_proj")),
 }
 # Each decode step's batch, adapters interleaved with each other and with base rows: grouped by
 # slot, r3-all's 11 rows make two segments (8 + 3), the others one each.
-JOBS = ["r3-all", "r5-attention", None, "r3-all", "r7-mlp", "r3-all", None, "r3-all", "r3-all", "r5-attention",
+JOBS = ["r3-all", "r5-attention", None, "r3-all", "r19-mlp", "r3-all", None, "r3-all", "r3-all", "r5-attention",
         "r3-all", "r3-all", None, "r3-all", "r3-all", None, "r3-all", "r3-all"]
 # Both paths compute each product in float32, in another summation order:
 ATOL = 1e-5  # measured: <= 4e-7 of the largest value
@@ -30,6 +33,17 @@ ATOL = 1e-5  # measured: <= 4e-7 of the largest value
 # about 1% of its largest value (measured: 0.7-1.0%, one row of 18, prefill on).
 QUANT_STEP_BOUND = 0.03  # of the step's largest value
 MIN_EXACT_SHARE = 0.8    # of the adapter rows, within ATOL
+
+
+@pytest.fixture(params=["avx2", "portable"])
+def isa(request):
+    """The native update on both code paths (the AVX2 one only where the CPU has it)."""
+    got = quantized.set_portable(request.param == "portable")
+    if got != request.param:
+        quantized.set_portable(False)
+        pytest.skip(f"this CPU has no {request.param} path")
+    yield got
+    quantized.set_portable(False)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +63,7 @@ def folders(base, tmp_path_factory):
 def decode_hidden(base, folders, native: bool, jobs=JOBS):
     """Run `jobs` (adapter name or None per request) to completion on a q4_1
     engine; the LM head's input of every decode step, and the greedy tokens."""
-    engine = tiny_engine(base, quantization="q4_1", enable_lora=True, max_loras=3, max_lora_rank=8)
+    engine = tiny_engine(base, quantization="q4_1", enable_lora=True, max_loras=3, max_lora_rank=24)
     model = engine.runner.model
     assert model.native_decode is not None
     if not native:
@@ -71,7 +85,7 @@ def decode_hidden(base, folders, native: bool, jobs=JOBS):
     return seen, [final[r.request_id] for r in requests], calls
 
 
-def test_adapters_in_the_native_decode_step_match_the_per_layer_update(base, folders):
+def test_adapters_in_the_native_decode_step_match_the_per_layer_update(base, folders, isa):
     native, native_tokens, calls = decode_hidden(base, folders, native=True)
     per_op, per_op_tokens, _ = decode_hidden(base, folders, native=False)
     # every step (the prefill, then each decode) went through the one-call path, with the adapters in it
@@ -91,7 +105,7 @@ def test_adapters_in_the_native_decode_step_match_the_per_layer_update(base, fol
     assert native_tokens == per_op_tokens
 
 
-def test_the_adapters_change_every_adapter_row_and_no_base_row(base, folders):
+def test_the_adapters_change_every_adapter_row_and_no_base_row(base, folders, isa):
     """The comparison above could pass with the update missing from both
     paths: the adapters' rows must differ from the base model's."""
     with_adapters, _, _ = decode_hidden(base, folders, native=True)

@@ -1138,8 +1138,13 @@ KVQ_AVX2 void lora_shrink_tile_avx2(const float* a, int64_t in, int64_t width, c
         }
     }
     for (int r = 0; r < MR; r++) {
-        _mm256_maskstore_ps(shrunk + r * width + c, m0, acc0[r]);
-        _mm256_maskstore_ps(shrunk + r * width + c + 8, m1, acc1[r]);
+        if (cols >= 16) {
+            _mm256_storeu_ps(shrunk + r * width + c, acc0[r]);
+            _mm256_storeu_ps(shrunk + r * width + c + 8, acc1[r]);
+        } else {
+            _mm256_maskstore_ps(shrunk + r * width + c, m0, acc0[r]);
+            _mm256_maskstore_ps(shrunk + r * width + c + 8, m1, acc1[r]);
+        }
     }
 }
 
@@ -1177,7 +1182,11 @@ KVQ_AVX2 void lora_expand_tile_avx2(const float* b, int64_t out, const float* sh
     }
     for (int r = 0; r < MR; r++) {
         const int64_t at = rows[r] * ldy + n;
-        if (ytype == KVQ_F32) {
+        if (ytype == KVQ_F32 && cols >= 16) {  /* masked stores are slow on some CPUs (AMD's): tails only */
+            float* yr = (float*)y + at;
+            _mm256_storeu_ps(yr, _mm256_add_ps(_mm256_loadu_ps(yr), acc0[r]));
+            _mm256_storeu_ps(yr + 8, _mm256_add_ps(_mm256_loadu_ps(yr + 8), acc1[r]));
+        } else if (ytype == KVQ_F32) {
             float* yr = (float*)y + at;
             _mm256_maskstore_ps(yr, m0, _mm256_add_ps(_mm256_maskload_ps(yr, m0), acc0[r]));
             _mm256_maskstore_ps(yr + 8, m1, _mm256_add_ps(_mm256_maskload_ps(yr + 8, m1), acc1[r]));

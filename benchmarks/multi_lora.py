@@ -7,11 +7,11 @@ Target (issue 20): the batch over 4 adapters keeps >= 0.8x the base model's
 output-token throughput.
 
 Arms (all in the same process, interleaved):
-- base: every request on the base model (decode steps in the one-call
-  native step, csrc's kvq_decode_layers);
-- 4_adapters: the engine as it runs: decode steps in the same native step
+- base: every request on the base model (every step, prefill and decodes,
+  in the one-call native step, csrc's kvq_decode_layers);
+- 4_adapters: the engine as it runs: every step in the same native step
   with the adapters' update inside it (kvq_lora_step: tokens grouped by
-  slot, each target's own rank), prefill layer by layer;
+  slot, each target's own rank);
 - 4_adapters_per_layer: the update in torch (model/lora.LoraStep: two
   torch.bmm per fused linear, one thread on the CPU), every step layer by
   layer: how adapter batches ran before the native step took them;

@@ -41,7 +41,7 @@ class LinearUpdates(Protocol):
 
     def native_step(self) -> ctypes.Structure | None:
         """The same updates as csrc's kvq_lora_step, for the one-call decode
-        step (`NativeDecode`), or None where they cannot run there."""
+        step (`NativeStep`), or None where they cannot run there."""
         ...
 
 
@@ -233,7 +233,7 @@ class DecoderLayer:
         return paged_attention(q, kv_cache, meta, self.scale).reshape(num_tokens, h * d)
 
 
-class NativeDecode:
+class NativeStep:
     """A step's layers in one native call (csrc's kvq_decode_layers): the
     per-op path's kernels in its order, so the same bits, without the Python
     between ~5 kernel calls per layer (about a quarter of a batch-1 decode
@@ -328,7 +328,7 @@ class LlamaModel:
             config.num_attention_heads, config.num_key_value_heads, config.head_dim)
         # Steps run every layer in one native call where the layers allow it;
         # None: layer by layer (tests set it to compare the two).
-        self.native_decode = NativeDecode(self.layers) if NativeDecode.supports(self.layers) else None
+        self.native_decode = NativeStep(self.layers) if NativeStep.supports(self.layers) else None
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, Tensor],

@@ -1110,6 +1110,27 @@ KVQ_AVX2 __m256i lora_first_lanes(int64_t n) {  /* lanes 0..n-1 set, n clamped t
     return _mm256_loadu_si256((const __m256i*)(lora_lane_masks + 8 - n));
 }
 
+/* silu(x[:K]) * x[K:2K] as transform_row's SWIGLU, 8 at a time: libm's expf
+ * one element at a time took ~3/4 of a 640-token prefill's update (measured
+ * in a C harness, 55 vs 160-220 ms with and without the transform). With
+ * t = exp(-|g|) <= 1, sigmoid(g) is 1 / (1 + t) for g >= 0, t / (1 + t) below:
+ * exp_nonpos_avx2's ~1e-7 relative error, the same products otherwise. */
+__attribute__((target("avx2,fma,f16c")))
+static void lora_swiglu_avx2(const void* row, int xtype, int64_t K, float* out) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.f);
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 g = load8_avx2(row, xtype, k), u = load8_avx2(row, xtype, K + k);
+        const __m256 t = exp_nonpos_avx2(_mm256_or_ps(g, sign));  /* exp(-|g|) */
+        const __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, t), _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ));
+        _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, t)), u));
+    }
+    for (; k < K; k++) {
+        const float g = load_x(row, xtype, k);
+        out[k] = g / (1.f + expf(-g)) * load_x(row, xtype, K + k);
+    }
+}
+
 /* shrunk[r, c .. c + 16) (masked to `cols`) = sum_k xs[r, k] a[k, c ..] for MR rows. */
 KVQ_AVX2 void lora_shrink_tile_avx2(const float* a, int64_t in, int64_t width, const float* xs, int64_t c,
                                     int64_t cols, float* shrunk, const int MR) {
@@ -1229,6 +1250,9 @@ static void lora_shrink_chunk(const void* ctx, int64_t seg) {
         const void* row = (const char*)j->x + (size_t)j->step->rows[i] * j->ldx * esz;
         float* xs = j->xs + i * L->in;
         if (j->xop == KVQ_X_PLAIN) for (int64_t k = 0; k < L->in; k++) xs[k] = load_x(row, j->xtype, k);
+#ifdef KVQ_X86
+        else if (j->xop == KVQ_X_SWIGLU && j->avx2) lora_swiglu_avx2(row, j->xtype, L->in, xs);
+#endif
         else transform_row(row, j->xtype, L->in, j->xop, j->norm_w, j->eps, xs);
     }
 #ifdef KVQ_X86

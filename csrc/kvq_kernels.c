@@ -1097,9 +1097,9 @@ typedef struct {
  * sums in registers over the whole reduction, so each A or B row is loaded
  * once per MR rows and every cycle goes to FMAs and the one stream of A/B
  * bytes. Same products, same order (k or c ascending from 0, then y + sum). */
-#ifndef KVQ_LORA_PREFETCH_ROWS
-#define KVQ_LORA_PREFETCH_ROWS 16
-#endif
+/* B's rank rows are 16 short streams per tile: a software prefetch 64
+ * columns (4 tiles) ahead took the decode step's expand from ~4.7 to ~3.5 ms
+ * (C harness, 1 thread); the same on A's rows in the shrink measured nothing. */
 #ifndef KVQ_LORA_PREFETCH_COLS
 #define KVQ_LORA_PREFETCH_COLS 64
 #endif
@@ -1140,7 +1140,6 @@ KVQ_AVX2 void lora_shrink_tile_avx2(const float* a, int64_t in, int64_t width, c
     const float* ak = a + c;
     if (cols >= 16) {
         for (int64_t k = 0; k < in; k++, ak += width) {
-            _mm_prefetch((const char*)(ak + KVQ_LORA_PREFETCH_ROWS * width), _MM_HINT_T0);
             const __m256 a0 = _mm256_loadu_ps(ak), a1 = _mm256_loadu_ps(ak + 8);
             for (int r = 0; r < MR; r++) {
                 const __m256 x = _mm256_broadcast_ss(xs + r * in + k);

@@ -35,15 +35,16 @@ QUANT_STEP_BOUND = 0.03  # of the step's largest value
 MIN_EXACT_SHARE = 0.8    # of the adapter rows, within ATOL
 
 
-@pytest.fixture(params=["avx2", "portable"])
+@pytest.fixture(params=["simd", "portable"])
 def isa(request):
-    """The native update on both code paths (the AVX2 one only where the CPU has it)."""
-    got = quantized.set_portable(request.param == "portable")
-    if got != request.param:
-        quantized.set_portable(False)
-        pytest.skip(f"this CPU has no {request.param} path")
+    """The native update on both code paths: the CPU's best SIMD one (AVX2,
+    with the AVX512-VNNI matmul where the CPU has it) and the portable C."""
+    got = quantized.set_isa("portable" if request.param == "portable" else "best")
+    if request.param == "simd" and got == "portable":
+        quantized.set_isa("best")
+        pytest.skip("this CPU has no SIMD path")
     yield got
-    quantized.set_portable(False)
+    quantized.set_isa("best")
 
 
 @pytest.fixture(scope="module")

@@ -107,11 +107,6 @@ def set_isa(isa: str) -> str:
     return _ISA_NAMES[require_kernels().kvq_set_isa(_ISA_MODES[isa])]
 
 
-def set_portable(portable: bool) -> str:
-    """Pin the portable C path (True) or let the CPU pick (False)."""
-    return set_isa("portable" if portable else "best")
-
-
 def pack_gguf_rows(qtype: str, rows: np.ndarray) -> Tensor:
     """GGUF blocks [N, K / 32 * block bytes] (uint8) -> the kernels' layout, a flat
     uint8 tensor of ceil(N / 8) groups; padding rows have zero scales."""

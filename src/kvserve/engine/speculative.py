@@ -129,7 +129,7 @@ class Speculator:
             return
         placeholder = self.placeholder_token_id
         for request, num_drafts in chosen:
-            request.spec_token_ids = (self.ngram.propose(request.all_token_ids, num_drafts) if placeholder is None
+            request.spec_token_ids = (self.ngram.propose(request.request_id, request.all_token_ids, num_drafts) if placeholder is None
                                       else [placeholder] * num_drafts)
 
     def _num_drafts(self, request: Request, sampling_states: Mapping[str, object]) -> int:
@@ -139,8 +139,10 @@ class Speculator:
         return min(self.config.num_speculative_tokens, self.scheduler.max_spec_tokens(request))
 
     def forget(self, request_ids: Iterable[str]) -> None:
-        """Requests that finished: their acceptance and any draft-model KV go."""
+        """Requests that finished: their acceptance, n-gram index and any
+        draft-model KV go."""
         for rid in request_ids:
             self.policy.forget(rid)
+            self.ngram.forget(rid)
             if self.draft_model is not None:
                 self.draft_model.free(rid)

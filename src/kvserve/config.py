@@ -217,8 +217,10 @@ class SpeculativeConfig:
       than this many sequences (vLLM's key; None: no limit).
     min_acceptance_rate: no request speculates while the measured share of
       draft tokens accepted (an EWMA over recent drafts) is below this, except
-      one probe step in every `probe_interval_steps` that keeps the
-      measurement alive (0 disables the rule).
+      probes of one draft that keep the measurement alive: the first
+      `probe_interval_steps` steps after its last verification, the wait
+      doubling after each failed probe, up to 16x (0 disables the rule;
+      scheduler/speculation.py).
     The defaults (3 and 0.25) are where speculation with k = 4 stops paying
     on the default model on a CPU, measured with verification in the
     one-call decode step (process CPU per step, 2 cores under load): the

@@ -102,8 +102,10 @@ def add_speculative_arguments(group: ArgumentTarget) -> None:
              '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} (a smaller model with the '
              'same vocabulary). When not to speculate: no request speculates in a step decoding more than '
              '"disable_by_batch_size" sequences (default 3), nor a request whose measured acceptance rate '
-             '(EWMA of accepted / proposed drafts) is below "min_acceptance_rate" (default 0.25; one probe '
-             'step in "probe_interval_steps", default 16), nor one with a grammar, penalties or logit_bias. '
+             '(EWMA of accepted / proposed drafts) is below "min_acceptance_rate" (default 0.25), except a '
+             'probe of one draft "probe_interval_steps" (default 16) steps after its last verification, the '
+             'wait doubling after each failed probe (up to 16x) and reset by one that recovers the rate; nor '
+             'one with a grammar, penalties or logit_bias. '
              'The defaults are the default model\'s break-even on a CPU, where verifying k drafts costs about '
              'k more decode rows (k = 4: ~2x a batch-1 step, ~4x a batch-4 one); on a GPU, where a step is '
              'bandwidth-bound, raise disable_by_batch_size')

@@ -121,8 +121,8 @@ class Speculator:
         decoding = [r for r in self.scheduler.running.values() if r.num_computed_tokens == r.num_tokens - 1]
         if not decoding or not self.policy.step_allows(len(decoding)):
             return
-        chosen = [(r, k) for r in decoding if (k := self._num_drafts(r, sampling_states)) > 0
-                  and self.policy.request_allows(r.request_id)]
+        chosen = [(r, k) for r in decoding
+                  if (k := self.policy.drafts_allowed(r.request_id, self._num_drafts(r, sampling_states))) > 0]
         if self.draft_model is not None:
             if chosen:
                 self.draft_probs = self.draft_model.propose(chosen)

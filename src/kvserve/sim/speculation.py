@@ -90,8 +90,8 @@ class SimulatedDrafts:
         longest = 0
         k = self.speculation.config.num_speculative_tokens
         for request in decoding:
-            n = min(k, scheduler.max_spec_tokens(request))
-            if n > 0 and self.policy.request_allows(request.request_id):
+            n = self.policy.drafts_allowed(request.request_id, min(k, scheduler.max_spec_tokens(request)))
+            if n > 0:
                 request.spec_token_ids = [self.draft_token_id] * n
                 longest = max(longest, n)
         return self.speculation.proposer_time_s(longest)

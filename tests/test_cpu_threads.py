@@ -79,18 +79,25 @@ def test_kernels_take_torchs_thread_count_from_any_calling_thread():
                 return ""
         def helpers():
             return sum(name(t) == "kvq-pool" for t in os.listdir("/proc/self/task"))
+        counts = []  # torch's count as the calling thread sees it
+        def call():
+            counts.append(torch.get_num_threads()); w.matmul(x)
         def helpers_after_a_call_from_a_new_thread():
-            t = threading.Thread(target=w.matmul, args=(x,)); t.start(); t.join()
+            t = threading.Thread(target=call); t.start(); t.join()
             return helpers()
         torch.set_num_threads(1)
         one = helpers_after_a_call_from_a_new_thread()
         torch.set_num_threads(3)
-        print(one, helpers_after_a_call_from_a_new_thread())
+        three = helpers_after_a_call_from_a_new_thread()
+        print(one, three, *counts, *sorted(name(t) for t in os.listdir("/proc/self/task")))
     """
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "4"})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["0", "2"]
+    # helpers after the 1-thread call, after the 3-thread call, the counts the
+    # calling threads saw, then every thread's name (to tell a count torch
+    # gave wrong from a helper that could not be started)
+    assert out.stdout.split()[:4] == ["0", "2", "1", "3"], out.stdout
 
 
 @needs_kernels

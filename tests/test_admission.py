@@ -562,3 +562,20 @@ def test_a_queue_of_long_prompts_is_a_wait_even_with_slots_and_blocks_free():
     ctl.on_start(ahead[0].request_id)
     clock.now += 0.5
     assert ctl.expected_wait_s(req(prompt=256))[0] < wait_s + 0.5 - 0.4
+
+
+def test_prompts_the_fit_prices_at_nothing_are_no_backlog():
+    # A fast CPU and a tiny model: steps cost ~1 ms whatever their prefill,
+    # so the fit prices a prompt token at 0. Charging each step's whole time
+    # to its prompt tokens instead (the bound used before any fit) made the
+    # prompts ahead look like 0.2 s of prefill and refused a burst of short
+    # requests as prefill_backlog where they could start at once.
+    ctl, _ = make(num_blocks=1000, max_num_seqs=64, max_queue_wait_s=0.05)
+    for d, p in ((1, 0), (0, 20), (2, 0), (1, 16), (3, 0), (0, 40), (2, 8), (1, 0)) * 3:
+        ctl.observe_step(d, p, 0.001)
+    fit = ctl.step_model.fit()
+    assert fit is not None and fit.per_prefill_token_s == 0.0, fit
+    for _ in range(4):
+        admit(ctl, req(prompt=200))
+    wait_s, binding = ctl.expected_wait_s(req(prompt=200))
+    assert binding != "prefill_backlog" and wait_s < 0.05, (wait_s, binding)

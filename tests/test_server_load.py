@@ -262,7 +262,7 @@ def test_overload_refusals_skip_tokenizing_but_size_errors_stay_400():
 
         refused, never_fits, too_long = asyncio.run(_with_client(srv.base_url, clients))
         assert [o.status for o in refused] == [429] * 5
-        assert all(o.error["code"] == "batch_slots" and int(o.retry_after) >= 1 for o in refused)
+        assert all(o.error["code"] == "batch_slots" and int(o.retry_after) >= 1 for o in refused), [(o.error, o.retry_after) for o in refused]
         # Refused before tokenizing; the size-dependent 400s still tokenize and say why.
         assert encoded == ["a" * 20, "c" * 100, "d" * 600], [t[:3] for t in encoded]
         assert (never_fits.status, never_fits.error["code"]) == (400, "never_fits")

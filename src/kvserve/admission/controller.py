@@ -162,10 +162,18 @@ class AdmissionController:
         step budget where that binds). A request starts only when its turn
         for prefill comes: with slots and KV free, a queue of long prompts
         still holds it (at rate 1 the peers' benchmark waited 11 s where
-        slots and blocks promised 0.1 s). 0 before prefill is measured."""
+        slots and blocks promised 0.1 s). 0 before prefill is measured, and
+        0 once the fit found prompt tokens cost nothing measurable: the whole
+        step time is charged to prefill (the upper bound) only while the
+        fit has not separated the two, never after it measured the cost as
+        nil (a fast CPU fits the tiny model's prefill at 0 and the bound,
+        14 ms a token, then refused a lone 20-token prompt as 0.19 s of
+        backlog)."""
         fit = self.step_model.fit()
-        per_token_s = fit.per_prefill_token_s if fit is not None and fit.per_prefill_token_s else \
-            self.step_model.upper_bound_per_prefill_token_s
+        if fit is not None and fit.per_prefill_token_s is not None:
+            per_token_s = fit.per_prefill_token_s
+        else:
+            per_token_s = self.step_model.upper_bound_per_prefill_token_s
         if per_token_s is None or per_token_s <= 0:
             return 0.0
         budget = self.step_limiter.prefill_token_budget(self.num_started)

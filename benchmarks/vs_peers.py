@@ -7,6 +7,13 @@ weights in bf16. Grid per server: single stream (c1, N=20), concurrency 8
 dataset seed (the same seeds for every server). Server RSS is sampled (sum over
 the server's process group) through the whole grid.
 
+The point `sweep` is issue 17's product figure instead: capacity at the
+MLPerf-server promise (the highest Poisson rate whose p99 TTFT <= 2 s and p99
+TPOT <= 100 ms with <= 1% of requests failed or refused), found by
+`kvserve bench --sweep` against the server with the same lengths (256 in,
+exactly, through the model's tokenizer; 64 out, ignore_eos), --num-prompts
+requests per run.
+
 The peers are set up OUTSIDE the repository by the anchors scripts
 (../shared/anchors, see its README): this script only calls them.
 
@@ -29,6 +36,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SWEEP_FILE = "sweep/sweep.json"
 POINTS = {"c1": "rate-inf-c1.json", "c8": "rate-inf-c8.json", "r1": "rate-1.json", "r2": "rate-2.json",
           "r4": "rate-4.json", "rinf": "rate-inf.json"}
 # point -> (request rate, max concurrency or None, dataset seed, requests): run_grid.sh's grid
@@ -80,14 +88,33 @@ def _group_rss_bytes(pgid: int) -> int:
 
 
 def run_points(anchors: Path, tag: str, points: list[str], env: dict) -> None:
-    """The grid's points through the anchors' bench_vllm.sh, as run_grid.sh runs them."""
+    """The grid's points through the anchors' bench_vllm.sh, as run_grid.sh runs them;
+    `sweep` through kvserve bench."""
     for point in points:
+        if point == "sweep":
+            run_sweep(anchors, tag, env)
+            continue
         rate, max_concurrency, seed, num_prompts = GRID[point]
         point_env = {**env, "SEED": str(seed)}
         if max_concurrency is not None:
             point_env.update(MAXC=str(max_concurrency), N=str(num_prompts))
         subprocess.run([str(anchors / "scripts" / "bench_vllm.sh"), tag, str(anchors / "models" / "smollm2-hf"),
                         rate], check=False, env=point_env)
+
+
+def run_sweep(anchors: Path, tag: str, env: dict) -> None:
+    """`kvserve bench --sweep` at the MLPerf-server promise against the server on env's PORT."""
+    model_dir = anchors / "models" / "smollm2-hf"
+    out = anchors / "results" / tag / "sweep"
+    out.mkdir(parents=True, exist_ok=True)
+    argv = [str(ROOT / ".venv" / "bin" / "kvserve"), "bench", "--base-url", f"http://127.0.0.1:{env['PORT']}",
+            "--workload", "prompt=fixed:256;output=fixed:64", "--tokenizer", str(model_dir),
+            "--arrival", "poisson", "--slo", "mlperf-server", "--sweep", "--sweep-start-rate", "1",
+            "--num-requests", env["N"], "--seed", "301", "--no-progress", "--out", str(out)]
+    if "SERVED" in env:
+        argv += ["--model", env["SERVED"]]
+    with open(anchors / "results" / tag / "sweep.log", "w") as log:
+        subprocess.run(argv, check=False, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def run_server(name: str, anchors: Path, checkout: Path, kvserve_args: list[str], tag: str,
@@ -110,6 +137,9 @@ def run_server(name: str, anchors: Path, checkout: Path, kvserve_args: list[str]
         else:
             subprocess.run(stop, check=False, env=env)
     results = {}
+    sweep = anchors / "results" / tag / SWEEP_FILE
+    if sweep.exists():
+        results["sweep"] = json.loads(sweep.read_text())
     for point, file_name in POINTS.items():
         path = anchors / "results" / tag / file_name
         if path.exists():
@@ -133,6 +163,10 @@ def summary_rows(runs: dict) -> list[str]:
     for label, point, key in figures:
         cells = [_get(run, point, key) for run in runs.values()]
         rows.append(f"| {label} | " + " | ".join("-" if c is None else f"{c:.1f}" for c in cells) + " |")
+    capacities = [run["points"].get("sweep", {}).get("capacity_at_slo_per_s") for run in runs.values()]
+    if any("sweep" in run["points"] for run in runs.values()):
+        rows.append("| capacity at mlperf-server (req/s) | "
+                    + " | ".join("-" if c is None else f"{c:.2f}" for c in capacities) + " |")
     rows.append("| peak RSS (MiB) | " + " | ".join(f"{r['peak_rss_bytes'] / 2**20:.0f}" for r in runs.values()) + " |")
     rows.append("| start to ready (s) | " + " | ".join(f"{r['start_to_ready_s']:.0f}" for r in runs.values()) + " |")
     return rows
@@ -161,6 +195,10 @@ def targets(runs: dict, kv_cache_bytes: int) -> list[dict]:
         sat, peer = _get(kv, "rinf", "output_throughput"), _get(vllm, "rinf", "output_throughput")
         ratio("rate inf output tok/s >= 1.2x vLLM's", sat, peer, "kvserve / vLLM >= 1.2",
               None if sat is None or peer is None else sat >= 1.2 * peer)
+        if "sweep" in kv["points"] and "sweep" in vllm["points"]:
+            cap, peer = (run["points"]["sweep"]["capacity_at_slo_per_s"] for run in (kv, vllm))
+            ratio("capacity at mlperf-server >= 1.2x vLLM's", cap, peer, "kvserve / vLLM >= 1.2",
+                  None if cap is None or not peer else cap >= 1.2 * peer)
     failed, p99 = _get(kv, "r2", "failed"), _get(kv, "r2", "p99_tpot_ms")
     out.append({"target": "rate 2: no refusals, TPOT p99 <= 100 ms", "failed": failed, "p99_tpot_ms": p99,
                 "met": None if failed is None or p99 is None else failed == 0 and p99 <= DEFAULT_TPOT_SLO_MS})
@@ -177,9 +215,10 @@ def main() -> int:
     parser.add_argument("--servers", default="kvserve,llamacpp,vllm", help="comma-separated, run in this order")
     parser.add_argument("--kvserve-args", default="", help="extra `kvserve serve` flags (one string)")
     parser.add_argument("--points", default="r1,r2,r4,rinf,c1,c8",
-                        help="grid points: r1, r2, r4, rinf (open loop at 1/2/4/inf req/s), c1, c8 (closed loop)")
+                        help="grid points: r1, r2, r4, rinf (open loop at 1/2/4/inf req/s), c1, c8 (closed loop), "
+                             "sweep (capacity at the MLPerf-server promise, kvserve bench --sweep)")
     parser.add_argument("--num-prompts", type=int, default=100,
-                        help="requests per rate point (the anchors' N; c1 and c8 keep 20 and 48)")
+                        help="requests per rate point and per sweep run (the anchors' N; c1 and c8 keep 20 and 48)")
     parser.add_argument("--kv-cache-bytes", type=int, default=2**30,
                         help="kvserve's configured KV cache, for the RSS target (bytes; default: serve's 1 GiB)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_peers.json"))

@@ -55,6 +55,19 @@ def test_views_take_a_stats_number_once_and_forget_gone_replicas():
     assert views.views == {}
 
 
+def test_a_request_for_the_base_model_keys_alike_named_or_not_and_an_adapter_apart():
+    # The prefix-affinity key names the model state the request runs under:
+    # "model": "smollm2", no "model" at all, and a replica that has not
+    # reported yet all reach the base model's cache; an adapter has its own.
+    views = ReplicaViews(clock=time.monotonic)
+    assert views.state_name(None) == ""
+    views.refresh("a", {**_stats(1, running=0), "model": "smollm2"})
+    assert views.state_name("smollm2") == views.state_name(None) == ""
+    assert views.state_name("sql-lora") == "sql-lora"
+    views.forget_except(set())
+    assert views.state_name("smollm2") == "smollm2"  # no replica left says it is the base
+
+
 def test_histogram_window_p95_over_the_look_back():
     window = HistogramWindow(look_back_s=10.0)
     bounds = (0.1, 0.5, 1.0, float("inf"))

@@ -238,8 +238,9 @@ class Ingress:
             raise IngressError.of(refusal)
         key = None
         if self.config.router_policy == "prefix-affinity" and inbound.prompt_bytes:
-            # Keyed by the name the request runs under (a LoRA adapter's or the model's).
-            key = affinity_key(tenant.name, inbound.model or "",
+            # Keyed by the model state it runs under (a LoRA adapter, or the base
+            # model however the request names it).
+            key = affinity_key(tenant.name, self.replicas.state_name(inbound.model),
                                inbound.prompt_bytes[:self.config.affinity_prefix_tokens * BYTES_PER_TOKEN])
         route = RouteRequest(inbound.num_prompt_tokens, max_tokens, key)
         try:

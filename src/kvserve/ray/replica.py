@@ -136,6 +136,7 @@ class ModelReplica:
         return {"scrape": dataclasses.asdict(scrape), "series": fleet_lines(text), "ready": self.serving.ready,
                 "sleeping": self.serving.sleep_level, "num_kv_blocks": self.num_kv_blocks,
                 "block_size": self.block_size, "number": self._stats_number,
+                "model": self.serving.model_name,
                 "startup_s": dict(self.serving.startup.seconds), "signals": self.signals()._asdict()}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

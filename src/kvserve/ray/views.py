@@ -32,6 +32,7 @@ class ReplicaViews:
         self.startup_s: dict[str, dict[str, float]] = {}  # per replica: its startup phases and latest wake
         self.signals: dict[str, ReplicaSignals] = {}  # per replica: what it records for the autoscaler
         self.series: dict[str, str] = {}  # per replica: its vllm:* series (exposition text)
+        self.models: dict[str, str] = {}  # per replica: the base model's served name
 
     def refresh(self, replica_id: str, stats: dict | None) -> BackendView:
         view = self.views.get(replica_id)
@@ -47,6 +48,8 @@ class ReplicaViews:
             self.sleeping[replica_id] = int(stats.get("sleeping") or 0)
             self.startup_s[replica_id] = dict(stats.get("startup_s") or {})
             self.series[replica_id] = str(stats.get("series") or "")
+            if stats.get("model"):
+                self.models[replica_id] = str(stats["model"])
             if "signals" in stats:
                 self.signals[replica_id] = ReplicaSignals(**stats["signals"])
         return view
@@ -59,6 +62,15 @@ class ReplicaViews:
             self.startup_s.pop(gone, None)
             self.signals.pop(gone, None)
             self.series.pop(gone, None)
+            self.models.pop(gone, None)
+
+    def state_name(self, requested_model: str | None) -> str:
+        """The model state a request with this `model` runs under, for its
+        prefix-affinity key: "" for the base model (named by its served name
+        or not named at all: the same cache), else the adapter's name."""
+        if requested_model is None or requested_model in self.models.values():
+            return ""
+        return requested_model
 
     def rank(self, router: Router, ids: Sequence[str], route: RouteRequest,
              exclude: frozenset[str] = frozenset()) -> list[list[str]]:

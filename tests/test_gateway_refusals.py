@@ -33,6 +33,7 @@ class ScriptedBackend:
         self.running = self.waiting = 0
         self.full_retry_after_s: int | None = None
         self.finishes_per_scrape = 0
+        self.exports_running_cap = True  # False: a backend without admission of its own (vLLM)
         self.finished = 0
         self.num_requests = 0
         app = FastAPI()
@@ -64,8 +65,8 @@ class ScriptedBackend:
             f'vllm:num_requests_waiting{{model_name="{MODEL}"}} {self.waiting}\n'
             f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} 0.1\n'
             f'vllm:request_success_total{{model_name="{MODEL}"}} {self.finished}\n'
-            f'kvserve_running_cap{{model_name="{MODEL}"}} 8\n'
-            f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="1000"}} 1.0\n')
+            + (f'kvserve_running_cap{{model_name="{MODEL}"}} 8\n' if self.exports_running_cap else '')
+            + f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="1000"}} 1.0\n')
 
     async def _complete(self, request: Request) -> JSONResponse:
         await request.body()
@@ -141,5 +142,31 @@ def test_a_fleet_queued_past_the_limit_is_refused_before_any_backend(backends, t
         second.waiting = 0  # room again: admitted
         time.sleep(0.6)
         assert _complete(gw).status_code == 200
+    finally:
+        gw.stop()
+
+
+def test_a_fresh_fleet_queued_past_one_batch_is_left_to_kvserve_backends_own_admission(backends, tmp_path):
+    # Nothing has finished yet, so the door has no measured drain. A kvserve
+    # backend (it exports kvserve_running_cap) admits on its own, from the
+    # step times its warm-up measured: the door forwards and the backend
+    # answers (here 200). A backend with no admission of its own (vLLM) gets
+    # the door's cold rule: refused beyond one batch worth of queue.
+    first, second = backends
+    for backend in backends:
+        backend.running, backend.waiting = 8, 16
+    gw = _gateway(backends, tmp_path, {"max_queue_wait_s": 1.0})
+    try:
+        time.sleep(0.6)  # scraped: 16 waiting beyond a full batch of 8, no finishes
+        response = _complete(gw)
+        assert response.status_code == 200, response.text
+        assert first.num_requests + second.num_requests == 1
+        for backend in backends:
+            backend.exports_running_cap = False
+        time.sleep(0.6)
+        response = _complete(gw)
+        assert response.status_code == 429, response.text
+        assert "unbounded (no measured drain)" in response.json()["error"]["message"]
+        assert first.num_requests + second.num_requests == 1
     finally:
         gw.stop()

@@ -12,7 +12,9 @@ Two parts:
   eligible ones could start the request within its class's queue-wait
   limit: 429 with the binding reason (batch_slots or kv_cache) in the
   OpenAI error body, and a Retry-After of the request's own, staggered
-  return slot, as each replica's controller gives.
+  return slot, as each replica's controller gives. Where the door has no
+  measured drain for a kvserve backend, that backend's own admission
+  decides instead.
 - `FullAnswers`: a backend's own 429 (refused, not started): one other
   backend may be tried within the retry budget; when none takes it, one
   429 whose Retry-After is the soonest any of them expects room. The
@@ -117,6 +119,15 @@ def wait_refusal(backends: Sequence[BackendLoad], num_tokens: int, limit_s: floa
     first = min(range(len(waits)), key=waits.__getitem__)  # ties: the earlier backend
     wait_s, soonest = waits[first], backends[first]
     if wait_s <= limit_s:
+        return None
+    if any(not math.isfinite(w) and b.drain_rps is None and b.running_cap is not None
+           for w, b in zip(waits, backends)):
+        # A kvserve backend (it exports its running cap, so it admits on its
+        # own) whose drain the door has not measured yet, as in a fresh
+        # fleet's first burst: the door knows only "beyond one batch", while
+        # the backend's own admission has the step times of its warm-up and
+        # answers honestly (its 429 goes to FullAnswers). A backend without
+        # admission of its own (vLLM) keeps the door's cold rule.
         return None
     reason = Reason.KV_CACHE if kv_binds(soonest, num_tokens) else Reason.BATCH_SLOTS
     fleet_drain_rps = sum(b.drain_rps or 0.0 for b in backends)

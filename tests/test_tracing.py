@@ -71,6 +71,36 @@ def test_a_completion_is_one_request_span_with_queue_prefill_and_decode_in_order
     assert children[2].attributes["kvserve.decode_tokens"] == 4
 
 
+def test_a_request_that_finishes_before_its_reader_sees_the_decision_keeps_its_admission(monkeypatch):
+    # On a fast machine a 2-token request can finish before the response's
+    # coroutine reads its admission decision off the stream; its span then
+    # went out without the admission (and the decision was kept forever).
+    # Here the reader is held back until the request has finished.
+    exporter = InMemorySpanExporter()
+    first_output = Serving._first_output
+
+    async def late_reader(self, choice, p, headers):
+        await wait_for_finish(self, choice.request_id)
+        return await first_output(self, choice, p, headers)
+
+    async def wait_for_finish(serving, request_id):
+        import asyncio
+        for _ in range(500):
+            if request_id not in serving.engine.streams or serving.engine.streams[request_id].finished:
+                return
+            await asyncio.sleep(0.01)
+
+    monkeypatch.setattr(Serving, "_first_output", late_reader)
+    with _traced_server(exporter) as srv, httpx.Client(base_url=srv.base_url, timeout=30) as http:
+        r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": [1, 2, 3], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert wait_until(lambda: len(_requests(exporter)) == 1)
+        assert srv.serving.tracer._admissions == {}  # nothing kept for a request that ended
+    (span,) = _requests(exporter)
+    assert span.attributes["kvserve.admission.outcome"] == "admit", dict(span.attributes)
+    assert span.attributes["gen_ai.request.max_tokens"] == 2
+
+
 def test_a_refused_request_has_a_span_with_its_outcome():
     exporter = InMemorySpanExporter()
     with _traced_server(exporter) as srv, httpx.Client(base_url=srv.base_url, timeout=30) as http:

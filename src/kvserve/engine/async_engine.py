@@ -132,13 +132,18 @@ class AsyncEngine:
 
     def __init__(self, core: EngineCore, admission: AdmissionLoop | None = None,
                  on_step: Callable[[StepReport], None] | None = None,
-                 on_scheduled: Callable[[SchedulerOutput], None] | None = None) -> None:
+                 on_scheduled: Callable[[SchedulerOutput], None] | None = None,
+                 on_decision: Callable[[str, AdmissionDecision], None] | None = None) -> None:
         """on_step: each step's report, on the event loop. on_scheduled: each
         step's batch, on the engine thread right after the step (tracing's
-        prefill chunks); None costs nothing."""
+        prefill chunks); None costs nothing. on_decision: each request's
+        admission decision, on the event loop as it is delivered, so always
+        before the on_step that reports the request finished (a stream's
+        reader may see the decision only after that)."""
         self.core = core
         self.admission = admission
         self._on_scheduled = on_scheduled
+        self._on_decision = on_decision
         self.admission_lock = threading.RLock()
         self._on_step = on_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -231,6 +236,11 @@ class AsyncEngine:
 
     def _deliver_decision(self, request_id: str, decision: AdmissionDecision) -> None:
         """Event loop: the decision goes first; a refusal ends the stream."""
+        if self._on_decision is not None:
+            try:
+                self._on_decision(request_id, decision)
+            except Exception:  # an observer must not lose the request
+                log.exception("on_decision callback failed")
         stream = self.streams.get(request_id)
         if stream is None:
             return

@@ -94,8 +94,12 @@ class Serving:
         self.tracer = tracer if tracer is not None else _otlp_tracer(server_config, self.versions, clock)
         self.request_log = RequestLog(self.model_name, self.tokenizer.decode, server_config.log_prompts) \
             if server_config.request_log else None
+        # Tracing: each choice's client headers and max_tokens from its add
+        # until its admission decision is delivered (event loop only).
+        self._traced: dict[str, tuple[Mapping[str, str], int]] = {}
         self.engine = AsyncEngine(core, self.admission, on_step=self._on_step,
-                                  on_scheduled=None if self.tracer is None else self.tracer.on_scheduled)
+                                  on_scheduled=None if self.tracer is None else self.tracer.on_scheduled,
+                                  on_decision=None if self.tracer is None else self._trace_admission)
         self.preparer = RequestPreparer(
             self.tokenizer, ModelLimits(self.model_name, self.vocab_size, self.max_model_len), admission_config,
             self._fits_cache, self._refuse_early, clock, self.versions, server_config.max_n, self._adapter_id_of)
@@ -244,6 +248,7 @@ class Serving:
         else:  # the engine refused or failed it after admission
             self.metrics.record_slo_result("aborted", done.priority, done.tenant)
         if self.tracer is not None:
+            self._traced.pop(done.request_id, None)  # ended before any decision (the engine failed)
             self.tracer.finished(done, self.clock())
         if self.request_log is not None:
             self.request_log.finished(done)
@@ -320,9 +325,12 @@ class Serving:
         request = self.core.new_request(p.prompt_token_ids, p.choice_params(index), request_id=request_id,
                                         arrival_time=p.arrival, priority=p.priority, tenant=p.tenant.name,
                                         deadline=p.deadline, adapter_id=p.adapter_id)
+        if self.tracer is not None:
+            self._traced[request_id] = (_TRACED_HEADERS.get(), p.params.max_tokens)
         try:
             stream = self.engine.add(request, p.is_retry)
         except RuntimeError:  # the engine failed since the check in create()
+            self._traced.pop(request_id, None)
             self._refuse_if_unavailable()
             raise
         choice = Choice(index, request_id, stream, p.params.logprobs is not None, p.tool_set)
@@ -338,8 +346,8 @@ class Serving:
         decision = first if isinstance(first, AdmissionDecision) else None
         if decision is not None:
             self.metrics.record_admission(decision.outcome, decision.reason)
-            if self.tracer is not None:
-                self._trace_decision(p, choice.request_id, decision, headers)
+            if self.tracer is not None and not decision.admitted:
+                self._trace_refusal(p, choice.request_id, decision, headers)
             if not decision.admitted:
                 raise rejection(decision)
             first = await choice.stream.next()
@@ -433,14 +441,21 @@ class Serving:
         earliest_s = self._drain_left_s() if done.abort_reason == "shutdown" else None
         return ended_without_output(done, self._retry_after_s(earliest_s, p.priority, p.tenant.name))
 
-    def _trace_decision(self, p: PreparedRequest, request_id: str, decision: AdmissionDecision,
-                        headers: Mapping[str, str]) -> None:
-        """A choice's decision to its trace: each choice is an engine request
-        with a span of its own, under the client's traceparent."""
+    def _trace_admission(self, request_id: str, decision: AdmissionDecision) -> None:
+        """Event loop, as the engine delivers a choice's decision: an
+        admitted one to its trace (each choice is an engine request with a
+        span of its own, under the client's traceparent). Here, not where
+        the response reads the decision: a short request can finish first,
+        and its span then went out without its admission."""
+        traced = self._traced.pop(request_id, None)
+        if traced is not None and decision.admitted:
+            headers, max_tokens = traced
+            self.tracer.admitted(request_id, headers, _admission(decision, max_tokens))
+
+    def _trace_refusal(self, p: PreparedRequest, request_id: str, decision: AdmissionDecision,
+                       headers: Mapping[str, str]) -> None:
+        """A refused choice's span (it has no other)."""
         admission = _admission(decision, p.params.max_tokens)
-        if decision.admitted:
-            self.tracer.admitted(request_id, headers, admission)
-            return
         self.tracer.refused(headers, admission, p.arrival, self.clock(), {
             "gen_ai.request.id": request_id, "kvserve.tenant": p.tenant.name, "kvserve.priority": p.priority,
             "gen_ai.usage.prompt_tokens": p.num_prompt_tokens})

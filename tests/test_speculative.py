@@ -353,6 +353,33 @@ def test_sleep_frees_the_draft_models_kv_cache_too_and_wakes_to_the_same_output(
     assert engine.speculator.draft_model.sampler is engine.runner.sampler  # one seed rule, the new runner's
 
 
+def test_automatic_kv_sizing_leaves_room_for_the_draft_models_weights_and_cache(hf, folders, monkeypatch):
+    """--kv-cache-memory auto with a draft model: both models' resident
+    weights and both caches fit the engine's memory, with no block more to
+    spare, and the target keeps less than half the blocks it has alone (the
+    draft's cache takes half, its weights some more)."""
+    import kvserve.runner.model_runner as model_runner
+
+    engine_memory = 8 * 2**20  # a tiny model's scale: the real 1.5 GiB would be ~750k tiny blocks
+    monkeypatch.setattr(model_runner, "AUTO_ENGINE_MEMORY_BYTES", engine_memory)
+    monkeypatch.setattr(model_runner, "MIN_AUTO_KV_BYTES", 2**20)
+    alone = tiny_engine(hf, num_blocks=None)
+    engine = tiny_engine(hf, num_blocks=None, speculative_config={**NGRAM, "method": "draft_model",
+                                                                   "model": folders["near"]})
+    target, draft = engine.runner, engine.speculator.draft_model.draft
+    assert draft.weight_bytes > 0 and engine.memory_bytes()["weights"] == target.weight_bytes + draft.weight_bytes
+    weights, blocks = engine.memory_bytes()["weights"], engine.num_kv_blocks
+    per_block = target.kv_bytes_per_block + draft.kv_bytes_per_block
+    assert draft.num_blocks == blocks == engine.scheduler.kv_cache.num_blocks
+    assert weights + blocks * per_block <= engine_memory < weights + (blocks + 1) * per_block
+    assert blocks < alone.num_kv_blocks // 2
+    assert draft.kv_cache.shape[1] == blocks * draft.block_size + 1  # the draft's cache holds them all
+    prompts = repetitive_prompts([20])
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert token_ids(run_to_completion(engine, prompts, params)) == token_ids(run_to_completion(alone, prompts, params))
+    assert engine.speculator.totals.num_accepted_tokens > 0
+
+
 def test_the_kv_budget_pays_for_the_draft_models_cache_too(hf, folders, caplog):
     """--kv-cache-memory covers the draft model's cache as well as the
     target's: both hold the same number of blocks, split by bytes per block

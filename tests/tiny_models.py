@@ -93,7 +93,8 @@ TEST_DEVICE = os.environ.get("KVSERVE_TEST_DEVICE", "cpu")
 
 
 def tiny_engine(hf_model, clock=None, **config_fields):
-    """An EngineCore over the HF model's weights. Default: 256 blocks of 4 tokens."""
+    """An EngineCore over the HF model's weights. Default: 256 blocks of 4 tokens
+    (num_blocks=None: the engine's automatic KV size)."""
     from kvserve.engine.core import EngineConfig, EngineCore
 
     model_config = model_config_of(hf_model)
@@ -101,7 +102,8 @@ def tiny_engine(hf_model, clock=None, **config_fields):
     fields.update(config_fields)
     num_blocks = fields.pop("num_blocks", 256)
     bytes_per_block = fields["block_size"] * model_config.kv_bytes_per_token(4)
-    config = EngineConfig(kv_cache_memory_bytes=num_blocks * bytes_per_block, **fields)
+    config = EngineConfig(kv_cache_memory_bytes=None if num_blocks is None else num_blocks * bytes_per_block,
+                          **fields)
     extra = {} if clock is None else {"clock": clock}
     return EngineCore(model_config, weights_of(hf_model), word_tokenizer(model_config.vocab_size), config,
                       **extra)

@@ -28,14 +28,12 @@ from kvserve.contract import InvalidParameter, Request, RequestFactory, RequestS
 from kvserve.engine.adapters import AdapterRegistry
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.speculative import SpecDecodeCounts, Speculator
-from kvserve.model_facts import memory
 from kvserve.model_facts.config import ModelConfig
 from kvserve.model.detokenizer import IncrementalDetokenizer
 from kvserve.model.lora import LoraAdapter, read_lora_adapter, read_lora_identity
 from kvserve.model.sampler import SamplerOutput, SamplingState, TokenLogprob
 from kvserve.model.quantized import check_quantization
 from kvserve.model_facts.tokenizer import Tokenizer
-from kvserve.model.device import resolve_dtype
 from kvserve.runner.model_runner import ModelRunner, kv_bytes_per_block
 from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from kvserve.structured import CompiledGrammar, GrammarCompiler
@@ -52,7 +50,8 @@ COMPILE_WAIT_S = 0.05
 class EngineConfig:
     """How the engine is sized. kv_cache_memory_bytes is turned into a number
     of blocks by the runner (None: AUTO_ENGINE_MEMORY_BYTES less the resident
-    weights, so smaller weights leave a larger cache); max_model_len (tokens)
+    weights, a draft model's included, so smaller weights leave a larger
+    cache; a draft model's cache is paid from the same bytes); max_model_len (tokens)
     defaults to the model's context and is capped by it."""
 
     dtype: str = "float32"
@@ -152,7 +151,9 @@ class EngineCore:
         self.clock = clock
         self.max_model_len = min(model_config.max_position_embeddings,
                                  config.max_model_len or model_config.max_position_embeddings)
-        self.runner = runner if runner is not None else self._build_runner(weights)
+        # A draft model's weights load first: the target's cache is sized net of them.
+        draft_runner = None if runner is not None else self._load_draft_runner(config.speculative_config)
+        self.runner = runner if runner is not None else self._build_runner(weights, draft_runner)
         self.sleep_level = 0  # 0 awake; 1 KV cache freed, weights kept; 2 weights dropped too
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
@@ -181,14 +182,21 @@ class EngineCore:
         self.adapters = AdapterRegistry(on_dropped=None if slots is None else slots.evict)
         self.speculator = None if config.speculative_config is None else Speculator(
             config.speculative_config, self.scheduler,
-            None if placeholder is not None else self._draft_model(config.speculative_config), placeholder)
+            None if draft_runner is None else self._draft_model(draft_runner), placeholder)
 
-    def _draft_model(self, config: SpeculativeConfig):
-        if config.method != "draft_model":
+    def _load_draft_runner(self, config: SpeculativeConfig | None) -> ModelRunner | None:
+        """The draft model's runner (speculation by draft_model), None otherwise."""
+        if config is None or config.method != "draft_model":
             return None
         from kvserve.runner.draft_model import DraftModelProposer
 
-        proposer = DraftModelProposer.load(config, self.runner, self.scheduler)
+        return DraftModelProposer.load_runner(config, block_size=self.config.block_size, dtype=self.config.dtype,
+                                              device=self.config.device, max_model_len=self.max_model_len)
+
+    def _draft_model(self, draft_runner: ModelRunner) -> DraftModelProposer:
+        from kvserve.runner.draft_model import DraftModelProposer
+
+        proposer = DraftModelProposer(draft_runner, self.runner, self.scheduler)
         target, draft = self.runner, proposer.draft
         target_bytes = target.num_blocks * kv_bytes_per_block(target.config, target.block_size, target.dtype)
         draft_bytes = draft.num_blocks * kv_bytes_per_block(draft.config, draft.block_size, draft.dtype)
@@ -197,7 +205,11 @@ class EngineCore:
                  draft_bytes / 2**20, target.num_blocks, target.block_size)
         return proposer
 
-    def _build_runner(self, weights: dict[str, torch.Tensor] | None) -> ModelRunner:
+    def _build_runner(self, weights: dict[str, torch.Tensor] | None, draft: ModelRunner | None) -> ModelRunner:
+        """The target's runner. With a draft model, one KV budget pays for both
+        caches (the draft's holds as many blocks, so the budget is split by
+        bytes per block), and an automatic budget is what both models'
+        resident weights leave."""
         config = self.config
         return ModelRunner(
             self.model_config, weights, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
@@ -205,19 +217,9 @@ class EngineCore:
             max_model_len=self.max_model_len, seed=config.seed,
             max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
             quantization=config.quantization, max_loras=config.max_loras if config.enable_lora else None,
-            max_lora_rank=config.max_lora_rank, extra_kv_bytes_per_block=self._draft_kv_bytes_per_block())
-
-    def _draft_kv_bytes_per_block(self) -> int:
-        """A draft model's KV bytes per block (0 without one): --kv-cache-memory
-        pays for its cache too, which holds as many blocks as the target's
-        (runner/draft_model.py), so the budget is split by bytes per block."""
-        spec = self.config.speculative_config
-        if spec is None or spec.method != "draft_model":
-            return 0
-        from kvserve.model_facts.source import read_model_config
-
-        draft = read_model_config(spec.model)  # its configuration only: the weights load with the proposer
-        return memory.kv_bytes_per_block(draft, self.config.block_size, resolve_dtype(self.config.dtype).itemsize)
+            max_lora_rank=config.max_lora_rank,
+            extra_kv_bytes_per_block=0 if draft is None else draft.kv_bytes_per_block,
+            extra_weight_bytes=0 if draft is None else draft.weight_bytes)
 
     # -- sleep and wake (vLLM's levels) ---------------------------------------
     def sleep(self, level: int) -> int:
@@ -252,7 +254,7 @@ class EngineCore:
         if self.runner is None:
             if weights is None:
                 raise ValueError("waking from level 2 needs the weights (they were dropped)")
-            self.runner = self._build_runner(weights)
+            self.runner = self._build_runner(weights, None if self._draft is None else self._draft.draft)
         elif hasattr(self.runner, "allocate_kv_cache"):
             self.runner.restore_weights()
             self.runner.allocate_kv_cache()

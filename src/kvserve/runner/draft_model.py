@@ -4,7 +4,9 @@ k tokens per request, autoregressively, in batched steps of its own.
 The draft keeps its own paged KV cache (its own `ModelRunner`: weights and
 cache tensor) under the same KV manager rules as the target's
 (`KVCacheManager`, prefix caching off), sized to as many blocks as the
-target's, so whatever the target holds the draft can hold too. Each
+target's, so whatever the target holds the draft can hold too. Its weights
+load before the target's cache is sized (`load_runner`): an automatic KV
+size leaves room for them, and one budget pays for both caches. Each
 request has a mirror `Request` there whose progress counter is the draft's:
 after the target verified a request's drafts, only the accepted ones keep
 their draft KV (the counter rolls back to them), and the next proposal
@@ -26,6 +28,7 @@ from torch import Tensor
 from kvserve.config import CacheConfig, SpeculativeConfig
 from kvserve.contract import Request
 from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.model.device import resolve_dtype
 from kvserve.model.loader import load_model
 from kvserve.model.sampler import race
 from kvserve.runner.model_runner import ModelRunner, kv_bytes_per_block
@@ -40,6 +43,8 @@ class DraftModelProposer:
         if draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) is not the "
                              f"target's ({target.config.vocab_size})")
+        if draft.num_blocks != target.num_blocks:
+            draft.resize_kv_cache(target.num_blocks)
         self.draft = draft
         self.sampler = target.sampler  # the target's generators: one seed rule for both
         self.scheduler = scheduler
@@ -49,16 +54,19 @@ class DraftModelProposer:
         # request_id -> (its token count when drafted, the drafts): what to roll back to
         self._proposed: dict[str, tuple[int, list[int]]] = {}
 
-    @classmethod
-    def load(cls, config: SpeculativeConfig, target: ModelRunner, scheduler: Scheduler) -> "DraftModelProposer":
-        """The draft model at `config.model`, on the target's device and dtype."""
+    @staticmethod
+    def load_runner(config: SpeculativeConfig, *, block_size: int, dtype: str | torch.dtype,
+                    device: torch.device | str | None, max_model_len: int) -> ModelRunner:
+        """The draft model at `config.model` on the target's device and dtype,
+        its weights resident and its cache one block until the proposer gives
+        it the target's block count (the target's cache is sized after this,
+        net of the draft's weights and per-block KV)."""
         assert config.model is not None
         loaded = load_model(config.model)
-        block_bytes = kv_bytes_per_block(loaded.config, target.block_size, target.dtype)
-        draft = ModelRunner(loaded.config, loaded.weights, kv_cache_memory_bytes=target.num_blocks * block_bytes,
-                            block_size=target.block_size, dtype=target.dtype, device=target.device,
-                            max_model_len=target.max_model_len, enforce_eager=True)
-        return cls(draft, target, scheduler)
+        return ModelRunner(loaded.config, loaded.weights,
+                           kv_cache_memory_bytes=kv_bytes_per_block(loaded.config, block_size, resolve_dtype(dtype)),
+                           block_size=block_size, dtype=dtype, device=device, max_model_len=max_model_len,
+                           enforce_eager=True)
 
     def sleep(self) -> int:
         """The engine sleeps: free the draft's KV cache (on CUDA its weights

@@ -64,10 +64,11 @@ class ModelRunner:
                  device: torch.device | str | None = None, max_model_len: int | None = None,
                  seed: int = 0, max_num_seqs: int = 64, enforce_eager: bool = False,
                  quantization: str = "auto", max_loras: int | None = None, max_lora_rank: int = 16,
-                 extra_kv_bytes_per_block: int = 0) -> None:
+                 extra_kv_bytes_per_block: int = 0, extra_weight_bytes: int = 0) -> None:
         """weights: HF-named float tensors or QuantizedWeights (model/loader.py);
         quantization: what they are computed in (model/quantized.prepare_weights).
-        kv_cache_memory_bytes None: auto_kv_cache_bytes of the resident weights.
+        kv_cache_memory_bytes None: auto_kv_cache_bytes of the resident weights,
+        these and `extra_weight_bytes` (a draft model's, resident beside them).
         extra_kv_bytes_per_block: a draft model's KV bytes per block, which the
         same budget pays for (it holds as many blocks): fewer blocks here.
         max_loras: LoRA adapter slots (None: no adapters), each of rank up to max_lora_rank."""
@@ -80,7 +81,7 @@ class ModelRunner:
                                              self.dtype, self.device, self.max_model_len)
         self.weight_bytes = self.model.weight_bytes()
         if kv_cache_memory_bytes is None:
-            kv_cache_memory_bytes = auto_kv_cache_bytes(self.weight_bytes)
+            kv_cache_memory_bytes = auto_kv_cache_bytes(self.weight_bytes + extra_weight_bytes)
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.num_blocks = memory.num_kv_blocks(kv_cache_memory_bytes, config, block_size, self.dtype.itemsize,
                                                extra_kv_bytes_per_block)
@@ -119,6 +120,24 @@ class ModelRunner:
         self.decode_graphs = None if not self._use_graphs else DecodeGraphs(
             self.model, self.kv_caches, block_size=self.block_size, scratch_slot=self.scratch_slot,
             max_num_seqs=self._max_num_seqs, max_model_len=self.max_model_len)
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Hold `num_blocks` blocks from now on, in a new zeroed cache (what
+        the old one held is lost): a draft model's cache, whose size is the
+        target's block count, known only once the draft's weights are resident."""
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.release_kv_cache()
+        self.num_blocks = num_blocks
+        self.scratch_slot = num_blocks * self.block_size
+        self.kv_cache_memory_bytes = num_blocks * kv_bytes_per_block(self.config, self.block_size, self.dtype)
+        self.allocate_kv_cache()
+        log.info("KV cache resized to %.1f MiB = %d blocks of %d tokens", self.kv_cache_memory_bytes / 2**20,
+                 num_blocks, self.block_size)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return kv_bytes_per_block(self.config, self.block_size, self.dtype)
 
     def release_kv_cache(self) -> int:
         """Drop the KV cache tensor (and the graphs that read it) so its

@@ -84,3 +84,40 @@ def test_plan_reads_a_hugging_face_folder_config(tmp_path, capsys):
     left = 64 * 2**20 - weights
     assert plan["kv_capacity_tokens"] % 16 == 0
     assert left - 256 * 16 < plan["kv_capacity_tokens"] * 256 <= left
+
+
+def test_plan_counts_a_draft_models_weights_and_kv_cache(tmp_path, capsys):
+    """--speculative-config with a draft model: its weight file and its KV
+    cache (as many blocks as the target's) come out of the same memory, so
+    the capacity falls below half the target's alone; prompt lookup needs
+    no memory; a draft that is not there is an error, not a traceback."""
+    from .tiny_models import tiny_llama
+
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    tiny_llama(seed=0).save_pretrained(target)
+    tiny_llama(seed=1, tie_word_embeddings=True).save_pretrained(draft)  # a smaller file: no LM head of its own
+    common = ("--model", str(target), "--memory", "64MiB", "--reserve", "0%")
+    rc, alone = run_json(capsys, *common)
+    assert rc == 0 and alone["draft_model"] is None
+    rc, paired = run_json(capsys, *common, "--speculative-config",
+                          json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}))
+    assert rc == 0
+    draft_file = sum(f.stat().st_size for f in draft.glob("*.safetensors"))
+    assert paired["draft_model"]["weight_bytes"] == draft_file
+    assert paired["weight_bytes"] == alone["weight_bytes"] + draft_file
+    assert paired["draft_model"]["kv_bytes_per_token"] == 256  # the draft's shape is the target's
+    assert paired["kv_bytes_per_token"] == 2 * 256
+    left = 64 * 2**20 - paired["weight_bytes"]
+    assert left - 512 * 16 < paired["kv_capacity_tokens"] * 512 <= left
+    assert paired["kv_capacity_tokens"] < alone["kv_capacity_tokens"] // 2
+    rows = zip(alone["max_concurrency"], paired["max_concurrency"])
+    assert all(b["max_concurrency"] < a["max_concurrency"] for a, b in rows)
+    rc, ngram = run_json(capsys, *common, "--speculative-config", '{"method": "ngram"}')
+    assert rc == 0 and ngram["kv_capacity_tokens"] == alone["kv_capacity_tokens"]
+    text_rc = main(["plan", *common, "--speculative-config",
+                    json.dumps({"method": "draft_model", "model": str(draft)})])
+    assert text_rc == 0 and "(draft model draft: " in capsys.readouterr().out
+    missing_rc = main(["plan", *common, "--speculative-config",
+                       json.dumps({"method": "draft_model", "model": str(tmp_path / "nowhere")})])
+    err = capsys.readouterr().err
+    assert missing_rc == 2 and "kvserve plan: error:" in err and "Traceback" not in err

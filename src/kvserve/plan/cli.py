@@ -10,13 +10,14 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvserve import flags
-from kvserve.config import parse_size
+from kvserve.config import SpeculativeConfig, parse_size
 from kvserve.model_facts.memory import dtype_bytes, weight_bytes
 from kvserve.plan import kv_math, queueing
 from kvserve.plan.hardware import HARDWARE, HardwareProfile, hardware_preset
-from kvserve.plan.presets import PRESETS, ModelSpec, resolve_model
+from kvserve.plan.presets import PRESETS, ModelSpec, read_model_spec, resolve_model
 from kvserve.plan.roofline import RooflineCostModel, StepShape
 
 QUEUEING_NOTE = ("thinking tool: Kingman (G/G/1) and Allen-Cunneen (G/G/c) assume FCFS, "
@@ -76,16 +77,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="coefficient of variation of inter-arrival times (1 = Poisson)")
     parser.add_argument("--service-cv", type=float, default=1.0,
                         help="coefficient of variation of service times (LLM traffic is often > 1)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="speculative decoding as `kvserve serve --speculative-config` takes it; with "
+                        '{"method": "draft_model", "model": PATH, ...} the draft model\'s weights (its file\'s '
+                        "bytes, or --dtype) and its KV cache (as many blocks as the target's, in --kv-dtype) "
+                        "come out of the memory too; prompt lookup (ngram) needs none")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+@dataclass(frozen=True)
+class DraftFootprint:
+    """A speculative draft model's share of the memory: its resident weights
+    and its KV bytes per token (its cache holds as many blocks as the
+    target's, runner/draft_model.py, so each target token costs both)."""
+
+    spec: ModelSpec
+    weight_bytes: int
+    kv_bytes_per_token: int
 
 
 @dataclass(frozen=True)
 class Capacity:
     spec: ModelSpec
-    budget: kv_math.MemoryBudget
-    kv_bytes_per_token: int
+    budget: kv_math.MemoryBudget  # its weight_bytes: the target's and the draft's
+    kv_bytes_per_token: int  # the target's and the draft's
     kv_capacity_tokens: int
     block_size: int
+    draft: DraftFootprint | None = None
+
+    @property
+    def target_weight_bytes(self) -> int:
+        return self.budget.weight_bytes - (0 if self.draft is None else self.draft.weight_bytes)
+
+
+def draft_footprint(speculative_config: str | None, dtype: str | None, kv_dtype: str) -> DraftFootprint | None:
+    """The draft model of a `--speculative-config` (method draft_model),
+    its weights counted as a target's are (file bytes unless `dtype`); None
+    for prompt lookup or no speculation."""
+    config = SpeculativeConfig.parse(speculative_config)
+    if config is None or config.method != "draft_model":
+        return None
+    assert config.model is not None
+    spec = read_model_spec(Path(config.model))
+    return DraftFootprint(spec, weight_bytes_of(spec, dtype), spec.config.kv_bytes_per_token(dtype_bytes(kv_dtype)))
 
 
 def weight_bytes_of(spec: ModelSpec, dtype: str | None) -> int:
@@ -97,11 +131,13 @@ def weight_bytes_of(spec: ModelSpec, dtype: str | None) -> int:
 
 def capacity(args: argparse.Namespace, spec: ModelSpec, memory_bytes: int) -> Capacity:
     reserve_fraction, reserve_bytes = _reserve(args, memory_bytes)
-    budget = kv_math.memory_budget(memory_bytes, weight_bytes_of(spec, args.dtype),
-                                   reserve_fraction, reserve_bytes)
-    per_token = spec.config.kv_bytes_per_token(dtype_bytes(args.kv_dtype))
+    draft = draft_footprint(args.speculative_config, args.dtype, args.kv_dtype)
+    weights = weight_bytes_of(spec, args.dtype) + (0 if draft is None else draft.weight_bytes)
+    budget = kv_math.memory_budget(memory_bytes, weights, reserve_fraction, reserve_bytes)
+    per_token = spec.config.kv_bytes_per_token(dtype_bytes(args.kv_dtype)) + (
+        0 if draft is None else draft.kv_bytes_per_token)
     tokens = kv_math.kv_capacity_tokens(budget.kv_bytes, per_token, args.block_size)
-    return Capacity(spec, budget, per_token, tokens, args.block_size)
+    return Capacity(spec, budget, per_token, tokens, args.block_size, draft)
 
 
 def _reserve(args: argparse.Namespace, memory_bytes: int) -> tuple[float, int]:
@@ -131,7 +167,7 @@ def service_time_estimate_s(args: argparse.Namespace, cap: Capacity, ctx: kv_mat
     """Roofline estimate: prefill the prompt alone, then `output` decode steps
     at `batch` sequences of this context. Optimistic (no queueing inside)."""
     model = RooflineCostModel(cap.spec.config, _hardware(args),
-                              cap.budget.weight_bytes / max(1, cap.spec.config.num_parameters()),
+                              cap.target_weight_bytes / max(1, cap.spec.config.num_parameters()),
                               dtype_bytes(args.kv_dtype))
     p = ctx.prompt_tokens
     prefill_s = model.step_time_s(StepShape(p, 0, p, p * (p + 1) // 2))
@@ -154,7 +190,7 @@ def build_plan(args: argparse.Namespace) -> dict:
         "weight_bytes": cap.budget.weight_bytes, "reserve_bytes": cap.budget.reserve_bytes,
         "kv_cache_bytes": cap.budget.kv_bytes, "fits": cap.budget.fits,
         "kv_bytes_per_token": cap.kv_bytes_per_token, "block_size": cap.block_size,
-        "kv_capacity_tokens": cap.kv_capacity_tokens,
+        "kv_capacity_tokens": cap.kv_capacity_tokens, "draft_model": _draft_json(cap.draft),
         "max_concurrency": [_row_json(r) for r in table],
         "context_shift": None, "queueing": None, "replicas": None,
         "float_fallback": _float_fallback_json(args, spec, contexts),
@@ -164,6 +200,14 @@ def build_plan(args: argparse.Namespace) -> dict:
     plan["context_shift"] = _shift_json(args, cap) if args.shift else None
     plan["queueing"], plan["replicas"] = _queueing_json(args, cap)
     return plan
+
+
+def _draft_json(draft: DraftFootprint | None) -> dict | None:
+    """The draft model's share, already inside weight_bytes and kv_bytes_per_token."""
+    if draft is None:
+        return None
+    return {"name": draft.spec.name, "parameters": draft.spec.config.num_parameters(),
+            "weight_bytes": draft.weight_bytes, "kv_bytes_per_token": draft.kv_bytes_per_token}
 
 
 def _float_fallback_json(args: argparse.Namespace, spec: ModelSpec, contexts) -> dict | None:
@@ -277,10 +321,11 @@ def format_plan(plan: dict) -> str:
     lines = [f"model {m['name']}: {m['parameters'] / 1e9:.3g}B params, {m['layers']} layers, "
              f"{m['kv_heads']} KV heads x {m['head_dim']} head dim",
              f"memory          {_gib(plan['memory_bytes'])} on {plan['num_devices']} device(s)",
-             f"weights         {_gib(plan['weight_bytes'])}",
+             f"weights         {_gib(plan['weight_bytes'])}{_draft_share(plan, 'weight_bytes', _gib)}",
              f"reserve         {_gib(plan['reserve_bytes'])} (activations, workspace, runtime)",
              f"KV cache        {_gib(plan['kv_cache_bytes'])}",
-             f"KV per token    {plan['kv_bytes_per_token']:,} bytes",
+             f"KV per token    {plan['kv_bytes_per_token']:,} bytes"
+             f"{_draft_share(plan, 'kv_bytes_per_token', lambda n: f'{n:,} bytes')}",
              f"KV capacity     {plan['kv_capacity_tokens']:,} tokens "
              f"(blocks of {plan['block_size']})", "",
              f"{'prompt':>8} {'output':>8} {'total':>8} {'KV/seq':>12} {'max concurrent':>15}"]
@@ -290,6 +335,11 @@ def format_plan(plan: dict) -> str:
     lines += _format_fallback(plan)
     lines += _format_shift(plan["context_shift"]) + _format_queueing(plan["queueing"], plan["replicas"])
     return "\n".join(lines)
+
+
+def _draft_share(plan: dict, key: str, show) -> str:
+    draft = plan["draft_model"]
+    return "" if draft is None else f" (draft model {draft['name']}: {show(draft[key])} of it)"
 
 
 def _format_fallback(plan: dict) -> list[str]:

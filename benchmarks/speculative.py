@@ -8,12 +8,18 @@ Workloads (greedy, chat template, natural stops up to --max-tokens):
 Configurations, one engine each (same weights, same KV size):
 - off: no speculation;
 - ngram: prompt lookup, k = 4, n in 2..4, with the default when-not-to-
-  speculate policy (no drafts in steps decoding more than 3 sequences, nor
-  for requests whose acceptance EWMA is below 0.25, but a probe step);
+  speculate policy (SpeculativeConfig's disable_by_batch_size and
+  min_acceptance_rate: no drafts in steps decoding more than that many
+  sequences, nor for requests whose acceptance EWMA is below the rate, but a
+  one-draft probe);
+- ngram-no-cutoff: the same, without the batch-size cut-off (the per-request
+  acceptance rule only): at batch b, what any cut-off >= b does, so the
+  cut-off's default is read off this row against off;
 - ngram-always: the same drafts with the policy off, to show where it loses.
-At batch sizes 1, 4 and 16 (that many requests added at once, run to the
-end). Rounds interleave the configurations, so a drifting shared machine
-affects all alike; the load average is recorded.
+At batch sizes 1, 2, 4 and 8 (that many requests added at once, run to the
+end). Rounds interleave the configurations, each round in another order
+(rotated), so neither a drifting shared machine nor going first favours one;
+the load average is recorded.
 
 Reports per (workload, batch, config): TPOT p50 / p99 over requests (the one
 definition, kvserve.latency), single-stream decode speed (output tokens per
@@ -25,6 +31,7 @@ identical draft must accept every draft token.
 
     python benchmarks/speculative.py                 # 2 rounds, 128 tokens
     python benchmarks/speculative.py --quick         # 1 round, 48 tokens, batch 1 and 4
+    python benchmarks/speculative.py --workloads chat --configs off,ngram --batches 4,16 --rounds 8
 
 Writes benchmarks/results/speculative.json.
 """
@@ -77,6 +84,8 @@ CHAT_QUESTIONS = [
 CONFIGS = {
     "off": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+    "ngram-no-cutoff": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                        "prompt_lookup_min": 2, "disable_by_batch_size": None},
     "ngram-always": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
                      "prompt_lookup_min": 2, "disable_by_batch_size": None, "min_acceptance_rate": 0.0},
 }
@@ -176,7 +185,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 round, 48 tokens, batch 1 and 4")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--batches", default="1,4,16")
+    parser.add_argument("--batches", default="1,2,4,8")
+    parser.add_argument("--workloads", default="repeat,chat", help="comma separated: repeat, chat")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"comma separated, off always included: {', '.join(CONFIGS)}")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -185,15 +197,22 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
+    workloads = args.workloads.split(",")
+    names = ["off", *(n for n in args.configs.split(",") if n != "off")]
+    unknown = [w for w in workloads if w not in ("repeat", "chat")] + [n for n in names if n not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown workloads or configs: {', '.join(unknown)}")
     loaded = load_model(None, quantization="auto")  # as `kvserve serve` runs it: the Q4_1 weights, one-call decode
-    engines = {name: build_engine(loaded, spec) for name, spec in CONFIGS.items()}
+    engines = {name: build_engine(loaded, CONFIGS[name]) for name in names}
     load_before = os.getloadavg()
     runs: dict[tuple[str, int, str], list[dict]] = {}
     for round_index in range(args.rounds):
-        for workload in ("repeat", "chat"):
+        order = names[round_index % len(names):] + names[:round_index % len(names)]
+        for workload in workloads:
             for batch in batches:
                 messages = prompts_for(workload, batch, round_index)
-                for name, engine in engines.items():
+                for name in order:
+                    engine = engines[name]
                     prompts = [encode_chat(engine, m) for m in messages]
                     runs.setdefault((workload, batch, name), []).append(run_batch(engine, prompts, args.max_tokens))
     load_after = os.getloadavg()
@@ -204,6 +223,12 @@ def main() -> None:
         off = summarize(runs[(workload, batch, "off")], None)
         row["decode_speedup_vs_off"] = (row["decode_tok_per_s_p50"] / off["decode_tok_per_s_p50"]
                                         if off["decode_tok_per_s_p50"] else None)
+        # The same ratio within each round (its configs ran minutes apart at
+        # most): the spread says how much of a row's ratio is the machine.
+        row["decode_speedup_vs_off_per_round"] = [
+            statistics.median(run["decode_tok_per_s"]) / statistics.median(base["decode_tok_per_s"])
+            for run, base in zip(config_runs, runs[(workload, batch, "off")])
+            if run["decode_tok_per_s"] and base["decode_tok_per_s"]]
         rows.append(row)
     check = self_draft_check(loaded, min(args.max_tokens, 32))
     print_table(rows)
@@ -214,8 +239,9 @@ def main() -> None:
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                           "torch_threads": torch.get_num_threads(), "load_avg_before": load_before,
                           "load_avg_after": load_after},
-              "args": {"rounds": args.rounds, "max_tokens": args.max_tokens, "batches": batches},
-              "configs": CONFIGS, "rows": rows, "self_draft_check": check}
+              "args": {"rounds": args.rounds, "max_tokens": args.max_tokens, "batches": batches,
+                       "workloads": workloads},
+              "configs": {name: CONFIGS[name] for name in names}, "rows": rows, "self_draft_check": check}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
@@ -228,12 +254,15 @@ def print_table(rows: list[dict]) -> None:
     def num(v, fmt=".2f"):
         return "-" if v is None else format(v, fmt)
 
-    print(f"{'workload':<8}{'batch':>6} {'config':<13}{'TPOT p50':>9}{'p99':>8}{'tok/s':>7}{'speedup':>8}"
+    print(f"{'workload':<8}{'batch':>6} {'config':<16}{'TPOT p50':>9}{'p99':>8}{'tok/s':>7}{'speedup':>8}"
+          f"{'rounds min-max':>15}"
           f"{'accept':>8}{'tok/vstep':>10}{'tok/step':>9}{'draft%':>7}{'same':>7}")
     for r in rows:
         same = f"{r['identical_outputs']}/{r['compared_outputs']}" if "identical_outputs" in r else ""
-        print(f"{r['workload']:<8}{r['batch']:>6} {r['config']:<13}{ms(r['tpot_p50_s']):>9}{ms(r['tpot_p99_s']):>8}"
-              f"{num(r['decode_tok_per_s_p50'], '.1f'):>7}{num(r['decode_speedup_vs_off']):>8}"
+        per_round = r["decode_speedup_vs_off_per_round"]
+        spread = f"{min(per_round):.2f}-{max(per_round):.2f}" if per_round else "-"
+        print(f"{r['workload']:<8}{r['batch']:>6} {r['config']:<16}{ms(r['tpot_p50_s']):>9}{ms(r['tpot_p99_s']):>8}"
+              f"{num(r['decode_tok_per_s_p50'], '.1f'):>7}{num(r['decode_speedup_vs_off']):>8}{spread:>15}"
               f"{num(r['acceptance_rate']):>8}{num(r['accepted_tokens_per_verifying_step']):>10}"
               f"{num(r['output_tokens_per_step']):>9}"
               f"{num(None if r['draft_overhead_share'] is None else 100 * r['draft_overhead_share'], '.1f'):>7}"

@@ -64,3 +64,52 @@ def test_simulate_command_takes_the_acceptance_rate(tmp_path):
     assert report["summary"]["outcomes"]["success"] > 0
     assert main(args[:-4]) == 0
     assert main([*args[:-4], "--speculative-config", '{"method": "ngram"}']) == 2
+
+
+def test_the_simulator_and_the_engine_verify_the_same_drafts_probes_included():
+    """One policy, one scheduler: a simulated request whose drafts are never
+    accepted verifies k drafts until its acceptance EWMA falls under the
+    threshold, then one-draft probes whose wait doubles (16, 32, 64 steps),
+    and each step is priced with the drafts it carries (a probe: its one
+    draft token and one proposer pass). The engine under `kvserve serve
+    --simulate` (its own speculator, the simulated runner) runs the same
+    steps at the same cost."""
+    from kvserve.contract import SamplingParams
+    from kvserve.engine.core import EngineConfig, EngineCore
+    from kvserve.sim.simulated_runner import SimulatedRunner
+    from tests.tiny_models import model_config_of, random_prompts, tiny_llama, word_tokenizer
+
+    policy = SpeculativeConfig(num_speculative_tokens=4)  # the default policy: probes after 16 steps
+    speculation = SimSpeculation(acceptance_rate=0.0, proposer_cost_s=1e-3, config=policy)
+    prompt_tokens, max_tokens = 30, 150
+    config = replica_config(None, speculation=speculation, record_trace=True)
+    result = Simulator(config, COST).run(generate_requests(fixed_mix(prompt_tokens, max_tokens), 1, seed=1), [0.0])
+    trace = result.traces[0]
+    schedule_at = [i for i, entry in enumerate(trace) if entry[0] == "schedule"]
+    sim_tokens = [sum(chunk[2] for chunk in trace[i][3]) for i in schedule_at]
+    # Each step's time: from its schedule to its update (the trace's next entry).
+    sim_step_s = [round(trace[i + 1][1] - trace[i][1], 9) for i in schedule_at]
+
+    slept: list[float] = []
+    runner = SimulatedRunner(COST, config.cache.num_blocks, [11, 12], clock=lambda: 0.0, sleep=slept.append,
+                             speculation=speculation)
+    engine = EngineCore(model_config_of(tiny_llama()), None, word_tokenizer(),
+                        EngineConfig(block_size=config.cache.block_size, max_num_seqs=config.scheduler.max_num_seqs,
+                                     max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                                     speculative_config=policy), runner=runner)
+    engine.add_request(engine.new_request(random_prompts([prompt_tokens])[0],
+                                          SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    engine_tokens = []
+    while engine.has_unfinished():
+        engine_tokens.append(sum(c.num_new_tokens for c in engine.step().scheduled.chunks))
+    assert engine_tokens == sim_tokens
+    assert [round(s, 9) for s in slept] == sim_step_s
+
+    verifies = [step for step, n in enumerate(sim_tokens) if n > 1 and step > 0]
+    assert verifies == [1, 2, 3, 19, 51, 115]  # 3 verifications of 4, then probes 16, 32 and 64 steps apart
+    assert [sim_tokens[s] for s in verifies] == [5, 5, 5, 2, 2, 2]
+    # 5 ms a step, 1 ms a decoding sequence, 1 ms a draft token, 1 ms a proposer pass.
+    assert [sim_step_s[s] for s in verifies] == [0.014, 0.014, 0.014, 0.008, 0.008, 0.008]
+    assert sim_step_s[4] == 0.006  # a plain decode
+    stats = result.replicas[0]
+    assert (stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]) == (3 * 4 + 3, 0)

@@ -113,3 +113,22 @@ def test_the_simulator_and_the_engine_verify_the_same_drafts_probes_included():
     assert sim_step_s[4] == 0.006  # a plain decode
     stats = result.replicas[0]
     assert (stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]) == (3 * 4 + 3, 0)
+
+
+def test_simulate_sizes_the_kv_cache_net_of_a_draft_models_weights_and_cache(tmp_path):
+    """A draft model in a simulation takes its weights out of the memory and
+    its KV out of every block, as `kvserve serve` and `kvserve plan` do: with
+    the default model as its own draft, a replica holds under half the blocks."""
+    from kvserve.model_facts.default_model import default_model_path
+
+    def num_blocks(*extra):
+        out = tmp_path / str(len(extra))
+        assert main(["simulate", "--preset", "smollm2-135m", "--hardware", "h100", "--memory", "4GiB",
+                     "--workload", "chat", "--rate", "1", "--duration", "2", "--seed", "1", "--out", str(out),
+                     "--spec-acceptance-rate", "0.5", *extra]) == 0
+        return json.loads((out / "report.json").read_text())["config"]["simulation"]["num_blocks"]
+
+    alone = num_blocks("--speculative-config", '{"method": "ngram"}')
+    paired = num_blocks("--speculative-config",
+                        json.dumps({"method": "draft_model", "model": str(default_model_path())}))
+    assert 0 < paired < alone // 2

@@ -62,7 +62,8 @@ def build_core(args: argparse.Namespace, config=None):
     model_path = args.model if args.model or args.preset else str(default_model_path())
     spec = resolve_model(args.preset, model_path if args.preset is None else None)
     sizing = argparse.Namespace(**{**ROOFLINE_DEFAULTS, "hardware": args.hardware, "dtype": None,
-                                   "kv_cache_memory": args.kv_cache_memory, "block_size": args.block_size})
+                                   "kv_cache_memory": args.kv_cache_memory, "block_size": args.block_size,
+                                   "speculative_config": args.speculative_config})
     cost_model, num_blocks = cost_model_and_num_blocks(sizing, spec)
     tokenizer = load_tokenizer(args.model if args.preset is None else None)
     excluded = set(tokenizer.eos_token_ids) | set(tokenizer.special_token_ids)

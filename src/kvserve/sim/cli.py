@@ -29,7 +29,7 @@ from kvserve.bench.report import SLO, build_report, format_table, parse_slo, wri
 from kvserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig, parse_size
 from kvserve.model_facts.memory import blocks_in, dtype_bytes, num_kv_blocks
 from kvserve.plan import kv_math
-from kvserve.plan.cli import add_model_arguments, weight_bytes_of
+from kvserve.plan.cli import add_model_arguments, draft_footprint, weight_bytes_of
 from kvserve.plan.hardware import HardwareProfile
 from kvserve.plan.presets import ModelSpec, resolve_model
 from kvserve.plan.roofline import RooflineCostModel
@@ -168,7 +168,10 @@ def run(args: argparse.Namespace) -> int:
 def cost_model_and_num_blocks(args: argparse.Namespace, spec: ModelSpec) -> tuple[CostModel, int]:
     """The cost model and the KV cache blocks of one replica: from
     --kv-cache-memory, else the profiled engine's cache (a profile JSON), else
-    the hardware's memory less weights and reserve (a preset)."""
+    the hardware's memory less weights and reserve (a preset). A draft model
+    (--speculative-config, method draft_model) takes its weights out of the
+    memory and its KV out of each block, as `kvserve serve` and `plan` do;
+    its compute is --spec-proposer-cost-ms."""
     hardware = resolve_hardware(args.hardware)
     weights = weight_bytes_of(spec, args.dtype)
     if isinstance(hardware, LinearCostModel):
@@ -176,9 +179,12 @@ def cost_model_and_num_blocks(args: argparse.Namespace, spec: ModelSpec) -> tupl
     model = RooflineCostModel(spec.config, hardware, weights / max(1, spec.config.num_parameters()),
                               dtype_bytes(args.kv_dtype), args.compute_efficiency,
                               args.bandwidth_efficiency, args.step_overhead_ms / 1000.0)
+    draft = draft_footprint(getattr(args, "speculative_config", None), args.dtype, args.kv_dtype)
     kv_bytes = parse_size(args.kv_cache_memory) if args.kv_cache_memory else \
-        _kv_bytes_from_memory(args, hardware, weights)
-    return model, num_kv_blocks(kv_bytes, spec.config, args.block_size, dtype_bytes(args.kv_dtype))
+        _kv_bytes_from_memory(args, hardware, weights + (0 if draft is None else draft.weight_bytes))
+    draft_bytes_per_block = 0 if draft is None else draft.kv_bytes_per_token * args.block_size
+    return model, num_kv_blocks(kv_bytes, spec.config, args.block_size, dtype_bytes(args.kv_dtype),
+                                draft_bytes_per_block)
 
 
 def _profiled_num_blocks(args: argparse.Namespace, spec: ModelSpec, engine: dict) -> int:

@@ -23,7 +23,10 @@ the load average is recorded.
 
 Reports per (workload, batch, config): TPOT p50 / p99 over requests (the one
 definition, kvserve.latency), single-stream decode speed (output tokens per
-decode second, per request), accepted tokens per verifying step (1 +
+decode second, per request; its ratio to off pooled and per round), output
+tokens per CPU second of the process over off's (on a shared machine a
+step's wall time includes waiting for a core; with --threads 1 its CPU time
+is the step's own work), accepted tokens per verifying step (1 +
 accepted / drafts), acceptance rate, draft overhead (proposer wall time as
 a share of the run), and whether greedy outputs were token-identical to
 `off`'s. A last check runs the default model as its own draft model: an
@@ -120,12 +123,13 @@ def run_batch(engine: EngineCore, prompts: list[list[int]], max_tokens: int) -> 
     spec = engine.speculator
     before = (0, 0, 0, 0.0) if spec is None else (spec.totals.num_drafts, spec.totals.num_draft_tokens,
                                                   spec.totals.num_accepted_tokens, spec.propose_s)
-    started_s = time.perf_counter()
+    started_s, started_cpu_s = time.perf_counter(), time.process_time()
     num_steps = 0
     while engine.has_unfinished():
         engine.step()
         num_steps += 1
     wall_s = time.perf_counter() - started_s
+    cpu_s = time.process_time() - started_cpu_s
     tpots, speeds = [], []
     for r in requests:
         ts = r.timestamps
@@ -137,9 +141,13 @@ def run_batch(engine: EngineCore, prompts: list[list[int]], max_tokens: int) -> 
                                          spec.totals.num_accepted_tokens, spec.propose_s)
     drafts, draft_tokens, accepted, propose_s = (a - b for a, b in zip(after, before))
     return {"tpot_s": tpots, "decode_tok_per_s": speeds, "outputs": [list(r.output_token_ids) for r in requests],
-            "wall_s": wall_s, "num_steps": num_steps, "num_drafts": drafts, "num_draft_tokens": draft_tokens,
+            "wall_s": wall_s, "cpu_s": cpu_s, "num_steps": num_steps, "num_drafts": drafts, "num_draft_tokens": draft_tokens,
             "num_accepted_tokens": accepted, "propose_s": propose_s,
             "num_output_tokens": sum(len(r.output_token_ids) for r in requests)}
+
+
+def _tokens_per_cpu_s(runs: list[dict]) -> float:
+    return sum(r["num_output_tokens"] for r in runs) / max(1e-9, sum(r["cpu_s"] for r in runs))
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -225,6 +233,12 @@ def main() -> None:
                                         if off["decode_tok_per_s_p50"] else None)
         # The same ratio within each round (its configs ran minutes apart at
         # most): the spread says how much of a row's ratio is the machine.
+        # Output tokens per CPU second of the process over off's: on a shared
+        # machine a step's wall time includes waiting for a core, its CPU time
+        # does not (one torch thread: the step's work is the process's CPU).
+        row["cpu_speedup_vs_off"] = _tokens_per_cpu_s(config_runs) / _tokens_per_cpu_s(runs[(workload, batch, "off")])
+        row["cpu_speedup_vs_off_per_round"] = [_tokens_per_cpu_s([run]) / _tokens_per_cpu_s([base]) for run, base
+                                               in zip(config_runs, runs[(workload, batch, "off")])]
         row["decode_speedup_vs_off_per_round"] = [
             statistics.median(run["decode_tok_per_s"]) / statistics.median(base["decode_tok_per_s"])
             for run, base in zip(config_runs, runs[(workload, batch, "off")])
@@ -255,14 +269,17 @@ def print_table(rows: list[dict]) -> None:
         return "-" if v is None else format(v, fmt)
 
     print(f"{'workload':<8}{'batch':>6} {'config':<16}{'TPOT p50':>9}{'p99':>8}{'tok/s':>7}{'speedup':>8}"
-          f"{'rounds min-max':>15}"
+          f"{'rounds min-max':>15}{'cpu x':>7}{'rounds min-max':>15}"
           f"{'accept':>8}{'tok/vstep':>10}{'tok/step':>9}{'draft%':>7}{'same':>7}")
     for r in rows:
         same = f"{r['identical_outputs']}/{r['compared_outputs']}" if "identical_outputs" in r else ""
         per_round = r["decode_speedup_vs_off_per_round"]
         spread = f"{min(per_round):.2f}-{max(per_round):.2f}" if per_round else "-"
+        cpu_rounds = r["cpu_speedup_vs_off_per_round"]
+        cpu_spread = f"{min(cpu_rounds):.2f}-{max(cpu_rounds):.2f}" if cpu_rounds else "-"
         print(f"{r['workload']:<8}{r['batch']:>6} {r['config']:<16}{ms(r['tpot_p50_s']):>9}{ms(r['tpot_p99_s']):>8}"
               f"{num(r['decode_tok_per_s_p50'], '.1f'):>7}{num(r['decode_speedup_vs_off']):>8}{spread:>15}"
+              f"{num(r['cpu_speedup_vs_off']):>7}{cpu_spread:>15}"
               f"{num(r['acceptance_rate']):>8}{num(r['accepted_tokens_per_verifying_step']):>10}"
               f"{num(r['output_tokens_per_step']):>9}"
               f"{num(None if r['draft_overhead_share'] is None else 100 * r['draft_overhead_share'], '.1f'):>7}"

@@ -221,15 +221,18 @@ class SpeculativeConfig:
       `probe_interval_steps` steps after its last verification, the wait
       doubling after each failed probe, up to 16x (0 disables the rule;
       scheduler/speculation.py).
-    The defaults (3 and 0.25) are where speculation with k = 4 stops paying
-    on the default model on a CPU, measured with verification in the
-    one-call decode step (process CPU per step, 2 cores under load): the
-    step's matmuls are compute-bound, so a row costs about the same whether
-    it is a draft or another sequence's token. Verifying 4 drafts of one
-    sequence costs ~2x a decode step (15 -> 30 ms), so 1 + 4 x rate tokens
-    per step pay from rate ~0.25; at batch 4 the step costs ~4x (23 -> 96
-    ms), more than even prompt lookup's 0.88 acceptance on a copying answer
-    (3.9 tokens) gains; batch 3 (~3x) still gains at that acceptance.
+    The defaults (1 and 0.25) are measured on the default model on a CPU
+    with k = 4 (benchmarks/speculative.py, output tokens per process CPU
+    second over speculation off; docs/performance.md). min_acceptance_rate:
+    verifying 4 drafts of one sequence costs ~2x a decode step, so 1 + 4 x
+    rate tokens per step pay from rate ~0.25. disable_by_batch_size: the
+    largest batch at which speculating keeps an answer that does not repeat
+    its prompt (chat) at >= 0.95x of off: batch 1 (1.06x; a copying answer
+    2.00x). From batch 2 chat loses (0.94x, 0.92x at 4, 0.87x at 8: its
+    0.30-0.40 acceptance stays over min_acceptance_rate, and each verified
+    draft costs about a decode row of a step that is no longer
+    bandwidth-bound) while a copying answer gains less and less (1.43x,
+    1.15x, 1.10x); where answers mostly copy their context, raise it.
     """
 
     method: str = "ngram"
@@ -237,7 +240,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None
-    disable_by_batch_size: int | None = 3
+    disable_by_batch_size: int | None = 1
     min_acceptance_rate: float = 0.25
     probe_interval_steps: int = 16
 

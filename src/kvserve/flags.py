@@ -101,14 +101,17 @@ def add_speculative_arguments(group: ArgumentTarget) -> None:
              '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup in the request\'s own tokens) or '
              '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} (a smaller model with the '
              'same vocabulary). When not to speculate: no request speculates in a step decoding more than '
-             '"disable_by_batch_size" sequences (default 3), nor a request whose measured acceptance rate '
+             '"disable_by_batch_size" sequences (default 1), nor a request whose measured acceptance rate '
              '(EWMA of accepted / proposed drafts) is below "min_acceptance_rate" (default 0.25), except a '
              'probe of one draft "probe_interval_steps" (default 16) steps after its last verification, the '
              'wait doubling after each failed probe (up to 16x) and reset by one that recovers the rate; nor '
              'one with a grammar, penalties or logit_bias. '
-             'The defaults are the default model\'s break-even on a CPU, where verifying k drafts costs about '
-             'k more decode rows (k = 4: ~2x a batch-1 step, ~4x a batch-4 one); on a GPU, where a step is '
-             'bandwidth-bound, raise disable_by_batch_size')
+             'The defaults are measured on the default model on a CPU (k = 4, tokens per CPU second over '
+             'speculation off): 0.25 is batch 1\'s break-even (4 drafts cost ~2x a decode step); '
+             'disable_by_batch_size is the largest batch at which chat, whose answers do not repeat the prompt, '
+             'keeps >= 0.95x: batch 1 (1.06x; a copying answer 2.00x), while at batch 2, 4 and 8 chat gets '
+             '0.94x, 0.92x, 0.87x and a copying answer 1.43x, 1.15x, 1.10x. Raise it where answers mostly copy '
+             'their context, or on a GPU, where a step is bandwidth-bound')
 
 
 def add_simulated_speculation_arguments(group: ArgumentTarget) -> None:

@@ -5,10 +5,11 @@ tokens, which pays only when enough of them are accepted, and costs most
 where the step is already large. The rule, per step:
 
 - no request speculates in a step that decodes more than
-  `disable_by_batch_size` sequences (default 3: a large batch is
-  compute-bound, extra tokens slow every sequence's step instead of riding
-  on spare bandwidth; on a CPU each verified draft costs about a decode
-  row, so with k = 4 batch 4's step costs ~4x, more than it gains);
+  `disable_by_batch_size` sequences (default 1: past batch 1 a CPU step is
+  compute-bound, so each verified draft costs about a decode row of every
+  sequence's step, and a chat answer's 0.3-0.4 acceptance no longer pays
+  for it: 0.94x at batch 2, while a copying answer gains 1.43x;
+  config.SpeculativeConfig has the figures);
 - a request speculates while its own measured acceptance rate (an EWMA of
   accepted / proposed drafts over its verifications, starting at 1) is at
   least `min_acceptance_rate` (default 0.25: 1 + k x rate tokens per step beat

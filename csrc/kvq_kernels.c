@@ -166,10 +166,9 @@ static int64_t claim(uint32_t generation, int64_t num_chunks) {
 }
 
 static void run_chunks(chunk_fn fn, const void* ctx, uint32_t generation, int64_t num_chunks) {
-    for (int64_t c; (c = claim(generation, num_chunks)) >= 0;) {
-        fn(ctx, c);
-        atomic_fetch_add(&g_pool.done, 1);
-    }
+    int64_t finished = 0;
+    for (int64_t c; (c = claim(generation, num_chunks)) >= 0; finished++) fn(ctx, c);
+    if (finished) atomic_fetch_add(&g_pool.done, finished);  /* once: the count's line bounces between cores */
 }
 
 static void* helper_main(void* arg) {
@@ -655,6 +654,10 @@ typedef struct {
 
 #define KVQ_QUANT_ROWS 16  /* activation rows per chunk of the quantization job */
 #define KVQ_GROUPS 4       /* groups of 8 weight rows per chunk of the matmul job */
+/* Activation rows x packed weight bytes below which the matmul uses no helper. */
+#ifndef KVQ_MIN_PARALLEL_BYTES
+#define KVQ_MIN_PARALLEL_BYTES (1 << 20)
+#endif
 
 static void quantize_chunk(const void* ctx, int64_t chunk) {
     const matmul_job* j = ctx;
@@ -715,7 +718,13 @@ int kvq_matmul(int wtype, const uint8_t* w, int64_t N, int64_t K, const void* x,
     j.da = (float*)(scratch + M * K);
     j.sa = j.da + M * nb;
     parallel_chunks(num_threads, (M + KVQ_QUANT_ROWS - 1) / KVQ_QUANT_ROWS, quantize_chunk, &j);
-    parallel_chunks(num_threads, (j.groups + KVQ_GROUPS - 1) / KVQ_GROUPS, matmul_chunk, &j);
+    /* A small product runs on the caller alone: waking a helper (a futex
+     * wake-up, an IPI on a VM) cost ~12 us per job, more than the helper
+     * saves on a batch-1 decode step's qkv, o and down projections (7-15 us
+     * on one thread; 2 threads measured slower), ~90 such jobs a step. */
+    const int64_t work_bytes = M * j.groups * nb * j.bb;
+    parallel_chunks(work_bytes < KVQ_MIN_PARALLEL_BYTES ? 1 : num_threads, (j.groups + KVQ_GROUPS - 1) / KVQ_GROUPS,
+                    matmul_chunk, &j);
     return 0;
 }
 
@@ -985,6 +994,26 @@ KVQ_AVX2 void attend_tile_avx2(const float* qs, int64_t group, int64_t D, const 
     }
 }
 
+/* The K and V rows of the tile at p0 (positions below L) requested ahead of
+ * it: a decode step's K/V rows are cold (the step streams ~100 MB of weights
+ * through the cache), and each tile's loads waited on their misses (the
+ * kernel ~18% of a batch-1 step at 300 positions, perf). One tile of work
+ * ahead covers a miss; rows of the same sequence after the first find the
+ * tile in L1 anyway. */
+KVQ_AVX2 void prefetch_tile_avx2(int64_t D, const char* cache, int dtype, int64_t Hkv, int64_t kvh,
+                                 const int64_t* blocks, int64_t block_size, int64_t p0, int64_t L) {
+    const size_t esz = dtype == KVQ_BF16 ? 2 : 4, slot_bytes = (size_t)2 * Hkv * D * esz, row_bytes = (size_t)D * esz;
+    const int64_t p1 = p0 + KVQ_TILE < L ? p0 + KVQ_TILE : L;
+    for (int64_t p = p0; p < p1; p++) {
+        const char* krow = cache + (size_t)(blocks[p / block_size] * block_size + p % block_size) * slot_bytes
+                           + (size_t)kvh * row_bytes;
+        for (size_t line = 0; line < row_bytes; line += 64) {
+            _mm_prefetch(krow + line, _MM_HINT_T0);
+            _mm_prefetch(krow + (size_t)Hkv * row_bytes + line, _MM_HINT_T0);
+        }
+    }
+}
+
 /* Query rows r0..r1-1 (one KV head), tile by tile: each row does exactly the
  * work it would alone (its own block table, context and tiles, so the same
  * results), but the rows of one sequence, a prefill's consecutive tokens,
@@ -1006,6 +1035,8 @@ static void attend_rows_avx2(const float* qs, int64_t group, int64_t D, const ch
         for (int64_t r = r0; r < r1; r++) {
             const int64_t L = context_lens[r];
             if (p0 >= L) continue;
+            if (r == r0) prefetch_tile_avx2(D, cache, dtype, Hkv, kvh, block_table + r * max_blocks, block_size,
+                                            p0 + KVQ_TILE, L);
             attend_tile_avx2(qs + (r - r0) * width, group, D, cache, dtype, Hkv, kvh, block_table + r * max_blocks,
                              block_size, p0, L - p0 < KVQ_TILE ? L - p0 : KVQ_TILE, st + (r - r0),
                              acc + (r - r0) * width);

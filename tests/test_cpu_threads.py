@@ -108,6 +108,35 @@ def test_kernels_take_torchs_thread_count_from_any_calling_thread():
 
 
 @needs_kernels
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPUs to tell thread counts apart")
+def test_a_small_product_wakes_no_helper():
+    """A batch-1 decode step's small projections (here 576 x 576, one row:
+    207 KB of Q4_1) run on the caller alone: a helper's wake-up costs more
+    than it saves there. A large one (3072 x 576, 8 rows) still uses the pool."""
+    code = """
+        import os, time, torch
+        from kvserve.model.quantized import QuantizedWeight
+        def helpers():
+            return sum(open(f"/proc/self/task/{t}/comm").read().strip() == "kvq-pool"
+                       for t in os.listdir("/proc/self/task"))
+        torch.set_num_threads(2)
+        small = QuantizedWeight.from_float("q4_1", torch.randn(576, 576))
+        for _ in range(20):
+            small.matmul(torch.randn(1, 576))
+        after_small = helpers()
+        QuantizedWeight.from_float("q4_1", torch.randn(3072, 576)).matmul(torch.randn(8, 576))
+        deadline = time.monotonic() + 5  # a helper's name can land after the call returns
+        while helpers() < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print(after_small, helpers())
+    """
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0", "1"], out.stdout
+
+
+@needs_kernels
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_1"])
 def test_results_do_not_depend_on_the_thread_count(qtype):
     """Each output element is one chunk's work, summed in the same order

@@ -16,7 +16,8 @@ detokenizing, the event loop, the engine thread's work between steps).
         [--prompt-tokens 256] [--max-tokens 64]
 
 Prints TPOT p50 / p90 per tree and the ratio of the p50s; writes
-benchmarks/results/served_tpot_ab.json (--out).
+benchmarks/results/served_tpot_ab.json (--out); the servers' logs go to
+the temp directory (served_tpot_old.log, served_tpot_new.log).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -90,7 +92,7 @@ def main() -> int:
     try:
         for name, tree in trees.items():
             port = free_port()
-            servers[name] = start(tree, port, out.with_name(f"served_tpot_{name}.log"))
+            servers[name] = start(tree, port, Path(tempfile.gettempdir()) / f"served_tpot_{name}.log")
             urls[name] = f"http://127.0.0.1:{port}"
         with httpx.Client(timeout=120) as client:
             model = client.get(urls["old"] + "/v1/models").json()["data"][0]["id"]

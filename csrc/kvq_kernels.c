@@ -1116,14 +1116,23 @@ typedef struct {
 
 /* ---- LoRA adapters in the decode step -------------------------------------- */
 
-/* One fused linear's resident adapters (model/lora._GroupStack), float32:
- * a [slots, in, width] and b [slots, width, out] with width = num_targets * R;
- * target j of slot s has rank ranks[s * num_targets + j] (0: not targeted),
- * its A columns and B rows j*R .. j*R + rank, its B columns (and outputs)
- * out_offsets[j] .. out_offsets[j + 1]. Scaling is folded into b. */
+/* One fused linear's resident adapters (model/lora._GroupStack's packed
+ * panels), bfloat16, laid out so each pass of the update reads its panel
+ * front to back (tiles(n) = ceil(n / 16); rank = ranks[s * num_targets + j],
+ * 0: not targeted):
+ *   A of slot s, target j: tiles(max_rank) tiles of [in][16] at
+ *     a + (s * num_targets + j) * tiles(max_rank) * 16 * in; tile q holds
+ *     rank columns 16q .. 16q + 15 (zero past the rank);
+ *   B of slot s, target j: tiles(out_j) tiles of [rank][16] at
+ *     b + max_rank * 16 * (s * sum_u tiles(out_u) + sum_{u < j} tiles(out_u)),
+ *     tile q at q * rank * 16 holding the target's output columns 16q ..
+ *     16q + 15 (zero past out_j);
+ * target j's outputs are columns out_offsets[j] .. out_offsets[j + 1] of the
+ * fused linear; scaling is folded into B. width = num_targets * max_rank is
+ * the stride of the shrunk rows (x A, target j's at j * max_rank). */
 #define KVQ_LORA_MAX_TARGETS 3
 typedef struct {
-    const float *a, *b;
+    const uint16_t *a, *b;
     const int64_t* ranks;  /* [slots, num_targets] */
     int64_t in, out, width, max_rank, num_targets;
     int64_t out_offsets[KVQ_LORA_MAX_TARGETS + 1];
@@ -1140,7 +1149,7 @@ typedef struct {
     int64_t num_rows, num_segments;
 } kvq_lora_step;
 
-#define KVQ_LORA_COLS 128  /* output columns per chunk of the expand job */
+enum { KVQ_LORA_PORTABLE = 0, KVQ_LORA_AVX2 = 2, KVQ_LORA_AVX512 = 4 };
 
 typedef struct {
     const kvq_lora_step* step;
@@ -1148,217 +1157,308 @@ typedef struct {
     const void* x; int xtype; int64_t ldx; int xop; const void* norm_w; float eps;
     void* y; int ytype; int64_t ldy;
     float *xs, *shrunk;  /* [num_rows, in], [num_rows, width]: by position in `rows` */
-    int64_t col_blocks;  /* per segment: sum over targets of ceil(target's columns / KVQ_LORA_COLS) */
-    int avx2;
+    int isa;             /* KVQ_LORA_* */
 } lora_job;
 
+static inline int64_t lora_tiles(int64_t n) { return (n + 15) / 16; }
+
+static const uint16_t* lora_a_panel(const kvq_lora_linear* L, int64_t slot, int64_t t) {
+    return L->a + (slot * L->num_targets + t) * lora_tiles(L->max_rank) * 16 * L->in;
+}
+
+static const uint16_t* lora_b_panel(const kvq_lora_linear* L, int64_t slot, int64_t t) {
+    int64_t before = 0, all = 0;
+    for (int64_t u = 0; u < L->num_targets; u++) {
+        const int64_t n = lora_tiles(L->out_offsets[u + 1] - L->out_offsets[u]);
+        before += u < t ? n : 0;
+        all += n;
+    }
+    return L->b + (slot * all + before) * L->max_rank * 16;
+}
+
+/* Every path sums in the same order: two partial sums, over the even and the
+ * odd steps of the reduction (k of the input, c of the rank), ascending, then
+ * even + odd (two chains halve the wait on FMA latency with few rows); the
+ * SIMD paths fuse each multiply-add, the portable C rounds twice. */
+
+/* shrunk[r, c] = sum_k xs[r, k] A[k, c] for c < rank, m rows (xs stride in, shrunk stride width). */
+static void lora_shrink_portable(const uint16_t* a, int64_t in, int64_t rank, const float* xs, int64_t m,
+                                 float* shrunk, int64_t width) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t c = 0; c < rank; c++) {
+            const uint16_t* ac = a + (c / 16) * in * 16 + c % 16;
+            float even = 0.f, odd = 0.f;
+            int64_t k = 0;
+            for (; k + 1 < in; k += 2) {
+                even += xs[r * in + k] * bf16_to_f32(ac[16 * k]);
+                odd += xs[r * in + k + 1] * bf16_to_f32(ac[16 * (k + 1)]);
+            }
+            if (k < in) even += xs[r * in + k] * bf16_to_f32(ac[16 * k]);
+            shrunk[r * width + c] = even + odd;
+        }
+}
+
+/* y[rows[r], n0 + n] += sum_c shrunk[r, c] B[c, n] for n < out_cols, m rows. */
+static void lora_expand_portable(const uint16_t* b, int64_t rank, const float* shrunk, int64_t width,
+                                 int64_t out_cols, const int64_t* rows, int64_t m, void* y, int ytype, int64_t ldy,
+                                 int64_t n0) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t n = 0; n < out_cols; n++) {
+            const uint16_t* bn = b + (n / 16) * rank * 16 + n % 16;
+            float even = 0.f, odd = 0.f;
+            int64_t c = 0;
+            for (; c + 1 < rank; c += 2) {
+                even += shrunk[r * width + c] * bf16_to_f32(bn[16 * c]);
+                odd += shrunk[r * width + c + 1] * bf16_to_f32(bn[16 * (c + 1)]);
+            }
+            if (c < rank) even += shrunk[r * width + c] * bf16_to_f32(bn[16 * c]);
+            const int64_t at = rows[r] * ldy + n0 + n;
+            store_y(y, ytype, at, load_x(y, ytype, at) + (even + odd));
+        }
+}
+
 #ifdef KVQ_X86
-/* The update is two chains of rank-16-ish float32 products per row: the
- * portable loops below keep their partial sums in memory (a load and a
- * store per multiply-add) and ran at ~17 GFLOP/s, ~8 GB/s, at 14 ms of a
- * 16-row, 4-adapter SmolLM2 step. These tiles keep MR rows x 16 columns of
- * sums in registers over the whole reduction, so each A or B row is loaded
- * once per MR rows and every cycle goes to FMAs and the one stream of A/B
- * bytes. Same products, same order (k or c ascending from 0, then y + sum). */
-/* B's rank rows are 16 short streams per tile: a software prefetch 64
- * columns (4 tiles) ahead took the decode step's expand from ~4.7 to ~3.5 ms
- * (C harness, 1 thread); the same on A's rows in the shrink measured nothing. */
-#ifndef KVQ_LORA_PREFETCH_COLS
-#define KVQ_LORA_PREFETCH_COLS 64
-#endif
-static const int32_t lora_lane_masks[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+/* The portable loops ran at ~17 GFLOP/s with the partial sums in memory; the
+ * f32 register tiles that followed read [in, width] and [width, out] float32
+ * stacks a 64-byte piece per row (A) and 16 short streams (B) at ~14 GB/s,
+ * a third of one core's streaming read here (42 GB/s). These tiles read the
+ * packed bf16 panels front to back, widened to float32 in registers. */
+#define KVQ_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw"), always_inline)) static inline
 
-KVQ_AVX2 __m256i lora_first_lanes(int64_t n) {  /* lanes 0..n-1 set, n clamped to 0..8 */
-    n = n < 0 ? 0 : n > 8 ? 8 : n;
-    return _mm256_loadu_si256((const __m256i*)(lora_lane_masks + 8 - n));
+KVQ_AVX2 __m256 lora_bf16x8_avx2(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
-
-/* shrunk[r, c .. c + 16) (masked to `cols`) = sum_k xs[r, k] a[k, c ..] for MR rows. */
-KVQ_AVX2 void lora_shrink_tile_avx2(const float* a, int64_t in, int64_t width, const float* xs, int64_t c,
-                                    int64_t cols, float* shrunk, const int MR) {
-    const __m256i m0 = lora_first_lanes(cols), m1 = lora_first_lanes(cols - 8);
-    __m256 acc0[4], acc1[4];
-    for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
-    const float* ak = a + c;
-    if (cols >= 16) {
-        for (int64_t k = 0; k < in; k++, ak += width) {
-            const __m256 a0 = _mm256_loadu_ps(ak), a1 = _mm256_loadu_ps(ak + 8);
-            for (int r = 0; r < MR; r++) {
-                const __m256 x = _mm256_broadcast_ss(xs + r * in + k);
-                acc0[r] = _mm256_fmadd_ps(x, a0, acc0[r]);
-                acc1[r] = _mm256_fmadd_ps(x, a1, acc1[r]);
-            }
-        }
-    } else {
-        for (int64_t k = 0; k < in; k++, ak += width) {
-            const __m256 a0 = _mm256_maskload_ps(ak, m0), a1 = _mm256_maskload_ps(ak + 8, m1);
-            for (int r = 0; r < MR; r++) {
-                const __m256 x = _mm256_broadcast_ss(xs + r * in + k);
-                acc0[r] = _mm256_fmadd_ps(x, a0, acc0[r]);
-                acc1[r] = _mm256_fmadd_ps(x, a1, acc1[r]);
-            }
-        }
-    }
-    for (int r = 0; r < MR; r++) {
-        if (cols >= 16) {
-            _mm256_storeu_ps(shrunk + r * width + c, acc0[r]);
-            _mm256_storeu_ps(shrunk + r * width + c + 8, acc1[r]);
-        } else {
-            _mm256_maskstore_ps(shrunk + r * width + c, m0, acc0[r]);
-            _mm256_maskstore_ps(shrunk + r * width + c + 8, m1, acc1[r]);
-        }
-    }
-}
-
-__attribute__((target("avx2,fma,f16c")))
-static void lora_shrink_avx2(const float* a, int64_t in, int64_t width, const float* xs, int64_t num_rows,
-                             int64_t c0, int64_t c1, float* shrunk) {
-    for (int64_t r = 0; r < num_rows; r += 4, xs += 4 * in, shrunk += 4 * width)
-        for (int64_t c = c0; c < c1; c += 16) {
-            switch (num_rows - r < 4 ? num_rows - r : 4) {
-                case 4: lora_shrink_tile_avx2(a, in, width, xs, c, c1 - c, shrunk, 4); break;
-                case 3: lora_shrink_tile_avx2(a, in, width, xs, c, c1 - c, shrunk, 3); break;
-                case 2: lora_shrink_tile_avx2(a, in, width, xs, c, c1 - c, shrunk, 2); break;
-                default: lora_shrink_tile_avx2(a, in, width, xs, c, c1 - c, shrunk, 1); break;
-            }
-        }
-}
-
-/* y[row r, n .. n + 16) (masked to `cols`) += sum_c shrunk[r, c] b[c, n ..] over c in [c0, c1), MR rows. */
-KVQ_AVX2 void lora_expand_tile_avx2(const float* b, int64_t out, const float* shrunk, int64_t width,
-                                    int64_t c0, int64_t c1, int64_t n, int64_t cols, const int64_t* rows,
-                                    void* y, int ytype, int64_t ldy, const int MR) {
-    const __m256i m0 = lora_first_lanes(cols), m1 = lora_first_lanes(cols - 8);
-    __m256 acc0[4], acc1[4];
-    for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
-    for (int64_t c = c0; c < c1; c++) {
-        const float* bc = b + c * out + n;
-        _mm_prefetch((const char*)(bc + KVQ_LORA_PREFETCH_COLS), _MM_HINT_T0);
-        const __m256 b0 = cols >= 16 ? _mm256_loadu_ps(bc) : _mm256_maskload_ps(bc, m0);
-        const __m256 b1 = cols >= 16 ? _mm256_loadu_ps(bc + 8) : _mm256_maskload_ps(bc + 8, m1);
+/* 8 columns (c0 .. c0 + 8 of a 16-column tile) of MR <= 4 rows' shrunk values. */
+KVQ_AVX2 void lora_shrink_tile_avx2(const uint16_t* at, int64_t in, const float* xs, float out[4][8], const int MR) {
+    __m256 even[4], odd[4];
+    for (int r = 0; r < MR; r++) even[r] = odd[r] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 1 < in; k += 2) {
+        const __m256 a0 = lora_bf16x8_avx2(at + 16 * k), a1 = lora_bf16x8_avx2(at + 16 * (k + 1));
         for (int r = 0; r < MR; r++) {
-            const __m256 s = _mm256_broadcast_ss(shrunk + r * width + c);
-            acc0[r] = _mm256_fmadd_ps(s, b0, acc0[r]);
-            acc1[r] = _mm256_fmadd_ps(s, b1, acc1[r]);
+            even[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + r * in + k), a0, even[r]);
+            odd[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + r * in + k + 1), a1, odd[r]);
         }
     }
-    for (int r = 0; r < MR; r++) {
-        const int64_t at = rows[r] * ldy + n;
-        if (ytype == KVQ_F32 && cols >= 16) {  /* masked stores are slow on some CPUs (AMD's): tails only */
-            float* yr = (float*)y + at;
-            _mm256_storeu_ps(yr, _mm256_add_ps(_mm256_loadu_ps(yr), acc0[r]));
-            _mm256_storeu_ps(yr + 8, _mm256_add_ps(_mm256_loadu_ps(yr + 8), acc1[r]));
-        } else if (ytype == KVQ_F32) {
-            float* yr = (float*)y + at;
-            _mm256_maskstore_ps(yr, m0, _mm256_add_ps(_mm256_maskload_ps(yr, m0), acc0[r]));
-            _mm256_maskstore_ps(yr + 8, m1, _mm256_add_ps(_mm256_maskload_ps(yr + 8, m1), acc1[r]));
-        } else {  /* bf16: the scalar rounding (store_y), as the portable path */
-            float sum[16];
-            _mm256_storeu_ps(sum, acc0[r]);
-            _mm256_storeu_ps(sum + 8, acc1[r]);
-            for (int64_t i = 0; i < cols && i < 16; i++) store_y(y, ytype, at + i, load_x(y, ytype, at + i) + sum[i]);
-        }
+    if (k < in) {
+        const __m256 a0 = lora_bf16x8_avx2(at + 16 * k);
+        for (int r = 0; r < MR; r++) even[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + r * in + k), a0, even[r]);
     }
+    for (int r = 0; r < MR; r++) _mm256_storeu_ps(out[r], _mm256_add_ps(even[r], odd[r]));
 }
 
 __attribute__((target("avx2,fma,f16c")))
-static void lora_expand_avx2(const float* b, int64_t out, const float* shrunk, int64_t width, int64_t c0,
-                             int64_t c1, int64_t n0, int64_t n1, const int64_t* rows, int64_t num_rows, void* y,
-                             int ytype, int64_t ldy) {
-    for (int64_t r = 0; r < num_rows; r += 4, rows += 4, shrunk += 4 * width)
-        for (int64_t n = n0; n < n1; n += 16) {
-            switch (num_rows - r < 4 ? num_rows - r : 4) {
-                case 4: lora_expand_tile_avx2(b, out, shrunk, width, c0, c1, n, n1 - n, rows, y, ytype, ldy, 4); break;
-                case 3: lora_expand_tile_avx2(b, out, shrunk, width, c0, c1, n, n1 - n, rows, y, ytype, ldy, 3); break;
-                case 2: lora_expand_tile_avx2(b, out, shrunk, width, c0, c1, n, n1 - n, rows, y, ytype, ldy, 2); break;
-                default: lora_expand_tile_avx2(b, out, shrunk, width, c0, c1, n, n1 - n, rows, y, ytype, ldy, 1); break;
+static void lora_shrink_avx2(const uint16_t* a, int64_t in, int64_t rank, const float* xs, int64_t m, float* shrunk,
+                             int64_t width) {
+    float out[4][8];
+    for (int64_t r = 0; r < m; r += 4)
+        for (int64_t c = 0; c < rank; c += 8) {
+            const uint16_t* at = a + (c / 16) * in * 16 + c % 16;
+            const int mr = m - r < 4 ? (int)(m - r) : 4;
+            switch (mr) {
+                case 4: lora_shrink_tile_avx2(at, in, xs + r * in, out, 4); break;
+                case 3: lora_shrink_tile_avx2(at, in, xs + r * in, out, 3); break;
+                case 2: lora_shrink_tile_avx2(at, in, xs + r * in, out, 2); break;
+                default: lora_shrink_tile_avx2(at, in, xs + r * in, out, 1); break;
+            }
+            for (int i = 0; i < mr; i++)
+                for (int64_t n = 0; n < 8 && c + n < rank; n++) shrunk[(r + i) * width + c + n] = out[i][n];
+        }
+}
+
+/* 8 output columns of MR <= 4 rows' update. */
+KVQ_AVX2 void lora_expand_tile_avx2(const uint16_t* bt, int64_t rank, const float* shrunk, int64_t width,
+                                    float out[4][8], const int MR) {
+    __m256 even[4], odd[4];
+    for (int r = 0; r < MR; r++) even[r] = odd[r] = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 1 < rank; c += 2) {
+        const __m256 b0 = lora_bf16x8_avx2(bt + 16 * c), b1 = lora_bf16x8_avx2(bt + 16 * (c + 1));
+        for (int r = 0; r < MR; r++) {
+            even[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(shrunk + r * width + c), b0, even[r]);
+            odd[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(shrunk + r * width + c + 1), b1, odd[r]);
+        }
+    }
+    if (c < rank) {
+        const __m256 b0 = lora_bf16x8_avx2(bt + 16 * c);
+        for (int r = 0; r < MR; r++)
+            even[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(shrunk + r * width + c), b0, even[r]);
+    }
+    for (int r = 0; r < MR; r++) _mm256_storeu_ps(out[r], _mm256_add_ps(even[r], odd[r]));
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void lora_expand_avx2(const uint16_t* b, int64_t rank, const float* shrunk, int64_t width, int64_t out_cols,
+                             const int64_t* rows, int64_t m, void* y, int ytype, int64_t ldy, int64_t n0) {
+    float out[4][8];
+    for (int64_t r = 0; r < m; r += 4)
+        for (int64_t n = 0; n < out_cols; n += 8) {
+            const uint16_t* bt = b + (n / 16) * rank * 16 + n % 16;
+            const int mr = m - r < 4 ? (int)(m - r) : 4;
+            switch (mr) {
+                case 4: lora_expand_tile_avx2(bt, rank, shrunk + r * width, width, out, 4); break;
+                case 3: lora_expand_tile_avx2(bt, rank, shrunk + r * width, width, out, 3); break;
+                case 2: lora_expand_tile_avx2(bt, rank, shrunk + r * width, width, out, 2); break;
+                default: lora_expand_tile_avx2(bt, rank, shrunk + r * width, width, out, 1); break;
+            }
+            for (int i = 0; i < mr; i++) {
+                const int64_t at = rows[r + i] * ldy + n0 + n;
+                if (ytype == KVQ_F32 && n + 8 <= out_cols) {
+                    float* yr = (float*)y + at;
+                    _mm256_storeu_ps(yr, _mm256_add_ps(_mm256_loadu_ps(yr), _mm256_loadu_ps(out[i])));
+                } else {  /* a tail, or bf16 (the scalar rounding, store_y) */
+                    for (int64_t j = 0; j < 8 && n + j < out_cols; j++)
+                        store_y(y, ytype, at + j, load_x(y, ytype, at + j) + out[i][j]);
+                }
             }
         }
 }
+
+KVQ_AVX512 __m512 lora_bf16x16_avx512(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+/* bf16 of 16 floats, rounded as f32_to_bf16 (to nearest even; NaN kept quiet). */
+KVQ_AVX512 __m256i lora_to_bf16x16_avx512(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+
+static inline __mmask16 lora_first16(int64_t n) { return n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1); }
+
+/* One 16-column tile of MR <= 8 rows' shrunk values (the segment's rows in one pass: A read once). */
+KVQ_AVX512 void lora_shrink_tile_avx512(const uint16_t* at, int64_t in, const float* xs, int64_t cols, float* out,
+                                        int64_t width, const int MR) {
+    __m512 even[KVQ_LORA_SEG_ROWS], odd[KVQ_LORA_SEG_ROWS];
+    for (int r = 0; r < MR; r++) even[r] = odd[r] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 1 < in; k += 2) {
+        const __m512 a0 = lora_bf16x16_avx512(at + 16 * k), a1 = lora_bf16x16_avx512(at + 16 * (k + 1));
+        for (int r = 0; r < MR; r++) {
+            even[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * in + k]), a0, even[r]);
+            odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * in + k + 1]), a1, odd[r]);
+        }
+    }
+    if (k < in) {
+        const __m512 a0 = lora_bf16x16_avx512(at + 16 * k);
+        for (int r = 0; r < MR; r++) even[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * in + k]), a0, even[r]);
+    }
+    const __mmask16 mask = lora_first16(cols);
+    for (int r = 0; r < MR; r++) _mm512_mask_storeu_ps(out + r * width, mask, _mm512_add_ps(even[r], odd[r]));
+}
+
+/* One 16-column tile of MR <= 8 rows' update, added into y. */
+KVQ_AVX512 void lora_expand_tile_avx512(const uint16_t* bt, int64_t rank, const float* shrunk, int64_t width,
+                                        int64_t cols, const int64_t* rows, void* y, int ytype, int64_t ldy,
+                                        int64_t n, const int MR) {
+    __m512 even[KVQ_LORA_SEG_ROWS], odd[KVQ_LORA_SEG_ROWS];
+    for (int r = 0; r < MR; r++) even[r] = odd[r] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 1 < rank; c += 2) {
+        const __m512 b0 = lora_bf16x16_avx512(bt + 16 * c), b1 = lora_bf16x16_avx512(bt + 16 * (c + 1));
+        for (int r = 0; r < MR; r++) {
+            even[r] = _mm512_fmadd_ps(_mm512_set1_ps(shrunk[r * width + c]), b0, even[r]);
+            odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(shrunk[r * width + c + 1]), b1, odd[r]);
+        }
+    }
+    if (c < rank) {
+        const __m512 b0 = lora_bf16x16_avx512(bt + 16 * c);
+        for (int r = 0; r < MR; r++) even[r] = _mm512_fmadd_ps(_mm512_set1_ps(shrunk[r * width + c]), b0, even[r]);
+    }
+    const __mmask16 mask = lora_first16(cols);
+    for (int r = 0; r < MR; r++) {
+        const __m512 sum = _mm512_add_ps(even[r], odd[r]);
+        const int64_t at = rows[r] * ldy + n;
+        if (ytype == KVQ_F32) {
+            float* yr = (float*)y + at;
+            _mm512_mask_storeu_ps(yr, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, yr), sum));
+        } else {
+            uint16_t* yr = (uint16_t*)y + at;
+            const __m512 old = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, yr)), 16));
+            _mm256_mask_storeu_epi16(yr, mask, lora_to_bf16x16_avx512(_mm512_add_ps(old, sum)));
+        }
+    }
+}
+
+#define KVQ_LORA_ROWS_CASES(CALL) \
+    switch (m) { case 8: CALL(8); break; case 7: CALL(7); break; case 6: CALL(6); break; case 5: CALL(5); break; \
+                 case 4: CALL(4); break; case 3: CALL(3); break; case 2: CALL(2); break; default: CALL(1); break; }
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
+static void lora_shrink_avx512(const uint16_t* a, int64_t in, int64_t rank, const float* xs, int64_t m,
+                               float* shrunk, int64_t width) {
+    for (int64_t c = 0; c < rank; c += 16) {
+#define KVQ_SHRINK(MR) lora_shrink_tile_avx512(a + c * in, in, xs, rank - c, shrunk + c, width, MR)
+        KVQ_LORA_ROWS_CASES(KVQ_SHRINK)
+#undef KVQ_SHRINK
+    }
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
+static void lora_expand_avx512(const uint16_t* b, int64_t rank, const float* shrunk, int64_t width,
+                               int64_t out_cols, const int64_t* rows, int64_t m, void* y, int ytype, int64_t ldy,
+                               int64_t n0) {
+    for (int64_t n = 0; n < out_cols; n += 16) {
+#define KVQ_EXPAND(MR) lora_expand_tile_avx512(b + n * rank, rank, shrunk, width, out_cols - n, rows, y, ytype, ldy, \
+                                                n0 + n, MR)
+        KVQ_LORA_ROWS_CASES(KVQ_EXPAND)
+#undef KVQ_EXPAND
+    }
+}
 #endif
 
-/* A segment's rows transformed and multiplied by their slot's A: shrunk = f(x) A. */
-__attribute__((target_clones("avx2", "default")))
-static void lora_shrink_chunk(const void* ctx, int64_t seg) {
+/* One segment (at most KVQ_LORA_SEG_ROWS rows of one slot): its rows
+ * transformed, then per target x A and (x A) B added into y, each panel read
+ * once. One chunk does both passes, so a linear's update is one job for the
+ * pool (one wake-up; two had been ~240 a step at 30 layers). */
+static void lora_segment_chunk(const void* ctx, int64_t seg) {
     const lora_job* j = ctx;
     const kvq_lora_linear* L = j->lin;
     const int64_t* sg = j->step->segments + 3 * seg;
-    const int64_t slot = sg[0], first = sg[1], end = sg[2];
+    const int64_t slot = sg[0], first = sg[1], m = sg[2] - sg[1];
     const size_t esz = j->xtype == KVQ_BF16 ? 2 : 4;
-    const float* a = L->a + slot * L->in * L->width;
-    const int64_t* ranks = L->ranks + slot * L->num_targets;
-    for (int64_t i = first; i < end; i++) {
+    for (int64_t i = first; i < first + m; i++) {
         const void* row = (const char*)j->x + (size_t)j->step->rows[i] * j->ldx * esz;
         float* xs = j->xs + i * L->in;
         if (j->xop == KVQ_X_PLAIN) for (int64_t k = 0; k < L->in; k++) xs[k] = load_x(row, j->xtype, k);
-        else transform_row(row, j->xtype, L->in, j->xop, j->norm_w, j->eps, xs, j->avx2);
+        else transform_row(row, j->xtype, L->in, j->xop, j->norm_w, j->eps, xs, j->isa != KVQ_LORA_PORTABLE);
     }
+    const float* xs = j->xs + first * L->in;
+    const int64_t* rows = j->step->rows + first;
+    for (int64_t t = 0; t < L->num_targets; t++) {
+        const int64_t rank = L->ranks[slot * L->num_targets + t];
+        if (rank == 0) continue;
+        const uint16_t *a = lora_a_panel(L, slot, t), *b = lora_b_panel(L, slot, t);
+        const int64_t n0 = L->out_offsets[t], out_cols = L->out_offsets[t + 1] - n0;
+        float* shrunk = j->shrunk + first * L->width + t * L->max_rank;
 #ifdef KVQ_X86
-    if (j->avx2) {  /* each target's own rank columns; the rest of shrunk is never read */
-        for (int64_t t = 0; t < L->num_targets; t++)
-            if (ranks[t] > 0)
-                lora_shrink_avx2(a, L->in, L->width, j->xs + first * L->in, end - first, t * L->max_rank,
-                                 t * L->max_rank + ranks[t], j->shrunk + first * L->width);
-        return;
-    }
-#endif
-    for (int64_t i = first; i < end; i++) memset(j->shrunk + i * L->width, 0, (size_t)L->width * sizeof(float));
-    for (int64_t k = 0; k < L->in; k++) {  /* A's row k once for every row of the segment */
-        const float* ak = a + k * L->width;
-        for (int64_t i = first; i < end; i++) {
-            const float xk = j->xs[i * L->in + k];
-            float* sh = j->shrunk + i * L->width;
-            for (int64_t t = 0; t < L->num_targets; t++) {
-                const int64_t c0 = t * L->max_rank, c1 = c0 + ranks[t];
-                for (int64_t c = c0; c < c1; c++) sh[c] += xk * ak[c];
-            }
+        if (j->isa == KVQ_LORA_AVX512) {
+            lora_shrink_avx512(a, L->in, rank, xs, m, shrunk, L->width);
+            lora_expand_avx512(b, rank, shrunk, L->width, out_cols, rows, m, j->y, j->ytype, j->ldy, n0);
+            continue;
         }
+        if (j->isa == KVQ_LORA_AVX2) {
+            lora_shrink_avx2(a, L->in, rank, xs, m, shrunk, L->width);
+            lora_expand_avx2(b, rank, shrunk, L->width, out_cols, rows, m, j->y, j->ytype, j->ldy, n0);
+            continue;
+        }
+#endif
+        lora_shrink_portable(a, L->in, rank, xs, m, shrunk, L->width);
+        lora_expand_portable(b, rank, shrunk, L->width, out_cols, rows, m, j->y, j->ytype, j->ldy, n0);
     }
 }
 
-/* One (segment, column block): y[row, cols] += shrunk[row] B[slot][:, cols]
- * over the rank rows of the target owning those columns. */
-__attribute__((target_clones("avx2", "default")))
-static void lora_expand_chunk(const void* ctx, int64_t chunk) {
-    const lora_job* j = ctx;
-    const kvq_lora_linear* L = j->lin;
-    const int64_t* sg = j->step->segments + 3 * (chunk / j->col_blocks);
-    const int64_t slot = sg[0], first = sg[1], end = sg[2];
-    int64_t block = chunk % j->col_blocks, t = 0;
-    for (;; t++) {  /* the target whose columns hold this block */
-        const int64_t n = (L->out_offsets[t + 1] - L->out_offsets[t] + KVQ_LORA_COLS - 1) / KVQ_LORA_COLS;
-        if (block < n) break;
-        block -= n;
-    }
-    const int64_t rank = L->ranks[slot * L->num_targets + t];
-    if (rank == 0) return;
-    const int64_t n0 = L->out_offsets[t] + block * KVQ_LORA_COLS;
-    const int64_t n1 = n0 + KVQ_LORA_COLS < L->out_offsets[t + 1] ? n0 + KVQ_LORA_COLS : L->out_offsets[t + 1];
-    const float* b = L->b + slot * L->width * L->out;
-#ifdef KVQ_X86
-    if (j->avx2) {
-        lora_expand_avx2(b, L->out, j->shrunk + first * L->width, L->width, t * L->max_rank, t * L->max_rank + rank,
-                         n0, n1, j->step->rows + first, end - first, j->y, j->ytype, j->ldy);
-        return;
-    }
-#endif
-    float acc[KVQ_LORA_SEG_ROWS][KVQ_LORA_COLS];
-    for (int64_t i = first; i < end; i++)
-        for (int64_t n = n0; n < n1; n++) acc[i - first][n - n0] = 0.f;
-    for (int64_t c = t * L->max_rank; c < t * L->max_rank + rank; c++) {
-        const float* bc = b + c * L->out;
-        for (int64_t i = first; i < end; i++) {
-            const float s = j->shrunk[i * L->width + c];
-            float* ai = acc[i - first];
-            for (int64_t n = n0; n < n1; n++) ai[n - n0] += s * bc[n];
-        }
-    }
-    for (int64_t i = first; i < end; i++) {
-        const int64_t base = j->step->rows[i] * j->ldy;
-        for (int64_t n = n0; n < n1; n++)
-            store_y(j->y, j->ytype, base + n, load_x(j->y, j->ytype, base + n) + acc[i - first][n - n0]);
-    }
+/* The update's path: the portable C, AVX2, or AVX-512 (zmm tiles) where the
+ * matmul takes its AVX512-VNNI path (kvq_set_isa's mode 2 pins AVX2 for both). */
+static int lora_isa(void) {
+    const int isa = matmul_isa();
+    return isa == 3 ? KVQ_LORA_AVX512 : isa == 2 ? KVQ_LORA_AVX2 : KVQ_LORA_PORTABLE;
 }
 
 /* y[rows] += f(x[rows]) A_slot B_slot for one fused linear of the step's
@@ -1367,17 +1467,28 @@ static void lora_expand_chunk(const void* ctx, int64_t chunk) {
 static void lora_add(const kvq_lora_step* step, const kvq_lora_linear* lin, const void* x, int xtype, int64_t ldx,
                      int xop, const void* norm_w, float eps, void* y, int64_t ldy, float* xs, float* shrunk,
                      int num_threads) {
-    int64_t col_blocks = 0;
-    for (int64_t t = 0; t < lin->num_targets; t++)
-        col_blocks += (lin->out_offsets[t + 1] - lin->out_offsets[t] + KVQ_LORA_COLS - 1) / KVQ_LORA_COLS;
     int targeted = 0;  /* does any of the step's adapters target this linear? */
     for (int64_t s = 0; s < step->num_segments && !targeted; s++)
         for (int64_t t = 0; t < lin->num_targets; t++) targeted |= lin->ranks[step->segments[3 * s] * lin->num_targets + t] > 0;
     if (!targeted) return;
-    lora_job j = {step, lin, x, xtype, ldx, xop, norm_w, eps, y, xtype, ldy, xs, shrunk, col_blocks,
-                  !g_force_scalar && kvq_has_avx2()};
-    parallel_chunks(num_threads, step->num_segments, lora_shrink_chunk, &j);
-    parallel_chunks(num_threads, step->num_segments * col_blocks, lora_expand_chunk, &j);
+    lora_job j = {step, lin, x, xtype, ldx, xop, norm_w, eps, y, xtype, ldy, xs, shrunk, lora_isa()};
+    parallel_chunks(num_threads, step->num_segments, lora_segment_chunk, &j);
+}
+
+/* One fused linear's update on its own, as kvq_decode_layers applies it after
+ * that linear's matmul: y[rows] += f(x[rows]) A B for the step's segments
+ * (kvq_lora_step's rows and segments; x and y share the dtype). Returns 0,
+ * or -1 where the scratch could not be allocated (nothing written). */
+int kvq_lora_apply(const kvq_lora_linear* lin, const int64_t* rows, const int64_t* segments, int64_t num_rows,
+                   int64_t num_segments, const void* x, int xtype, int64_t ldx, int xop, const void* norm_w,
+                   float eps, void* y, int64_t ldy, int num_threads) {
+    if (num_rows == 0) return 0;
+    float* xs = malloc((size_t)(num_rows * (lin->in + lin->width)) * sizeof(float));
+    if (xs == NULL) return -1;
+    const kvq_lora_step step = {lin, rows, segments, num_rows, num_segments};
+    lora_add(&step, lin, x, xtype, ldx, xop, norm_w, eps, y, ldy, xs, xs + num_rows * lin->in, num_threads);
+    free(xs);
+    return 0;
 }
 
 /* Every layer of a step (T query rows: one per sequence on a decode step, one

@@ -1,14 +1,22 @@
 """LoRA adapters inside the one-call decode step (csrc's kvq_decode_layers
 with a kvq_lora_step) against the per-layer Python update (model/lora.LoraStep),
 on a tiny quantized model: several adapters of odd ranks and partial targets,
-one slot's tokens over more than one segment, beside base-model rows; the
-kernel's AVX2 tiles and its portable loops alike."""
+one slot's tokens over more than one segment, beside base-model rows; then
+one fused linear's update alone (kvq_lora_apply) on shapes the tiny model
+lacks (ranks, inputs and output widths off the 16-column tiles), float32 and
+bfloat16 activations; each on the kernel's AVX-512 and AVX2 tiles and its
+portable loops."""
 
+import ctypes
+
+import numpy as np
 import pytest
 import torch
 
 from kvserve.contract import SamplingParams
 from kvserve.model import quantized
+from kvserve.model.llama import input_transform
+from kvserve.model.lora import LoraAdapter, _GroupStack
 from tests.tiny_models import random_prompts, tiny_engine, tiny_llama, tiny_peft_adapter
 
 STEPS = 6
@@ -35,14 +43,19 @@ QUANT_STEP_BOUND = 0.03  # of the step's largest value
 MIN_EXACT_SHARE = 0.8    # of the adapter rows, within ATOL
 
 
-@pytest.fixture(params=["simd", "portable"])
+# set_isa's mode per path of the update, and the matmul path it must report: the
+# update's AVX-512 (zmm) tiles go with the AVX512-VNNI matmul (csrc's lora_isa)
+ISA_PATHS = {"avx512": ("best", "avx512_vnni"), "avx2": ("avx2", "avx2"), "portable": ("portable", "portable")}
+
+
+@pytest.fixture(params=list(ISA_PATHS))
 def isa(request):
-    """The native update on both code paths: the CPU's best SIMD one (AVX2,
-    with the AVX512-VNNI matmul where the CPU has it) and the portable C."""
-    got = quantized.set_isa("portable" if request.param == "portable" else "best")
-    if request.param == "simd" and got == "portable":
+    """The native update on each of its code paths, where the CPU has it."""
+    mode, expected = ISA_PATHS[request.param]
+    got = quantized.set_isa(mode)
+    if got != expected:
         quantized.set_isa("best")
-        pytest.skip("this CPU has no SIMD path")
+        pytest.skip(f"this CPU has no {request.param} path (set_isa({mode!r}) gives {got})")
     yield got
     quantized.set_isa("best")
 
@@ -122,3 +135,124 @@ def test_the_adapters_change_every_adapter_row_and_no_base_row(base, folders, is
 def test_a_base_only_step_passes_no_adapter_work_to_the_native_step(base, folders):
     _, _, calls = decode_hidden(base, folders, native=True, jobs=[None] * 4)
     assert len(calls) == STEPS and all(lora is None for lora in calls)
+
+
+# ---- one fused linear's update alone (kvq_lora_apply) -------------------------------------------
+
+X_PLAIN, X_RMS_NORM, X_SWIGLU = 0, 1, 2  # csrc's input transforms
+# Three targets whose output widths are off the 16-column tiles (40 = 2.5 tiles; 12 and 5 under
+# one AVX2 vector of 8), an input width that is odd (the even/odd reduction's tail).
+TARGETS = ("q_proj", "k_proj", "v_proj")
+IN_FEATURES, OUT_SIZES = 37, (40, 12, 5)
+MAX_RANK = 21  # the shrunk rows' stride 63: a tile's columns past a rank may not be stored
+# slot -> rank per target (0: not targeted): 19 (a full tile and a tail of 3, odd), 16 (exactly
+# one tile), 1, 7, 3; slots 1 and 2 each leave one target out
+SLOT_RANKS = {0: (19, 16, 1), 1: (7, 0, 19), 2: (16, 3, 0)}
+# Each row's slot or -1 (base): slot 0's 10 rows make a segment of 8 (the zmm tiles' most rows)
+# and one of 2; slot 1 has 5, slot 2 one; base rows in between
+SLOT_OF_ROW = [0, 1, -1, 0, 2, 0, 0, 1, 0, -1, 0, 1, 0, 0, 1, 0, 1, -1]
+
+
+def _stack(integer_valued: bool, seed: int) -> _GroupStack:
+    """A native qkv-shaped stack with SLOT_RANKS' adapters written into it."""
+    dims = {t: (IN_FEATURES, n) for t, n in zip(TARGETS, OUT_SIZES)}
+    stack = _GroupStack(TARGETS, dims, num_slots=len(SLOT_RANKS), max_rank=MAX_RANK, dtype=torch.float32,
+                        device=torch.device("cpu"), native=True)
+    generator = torch.Generator().manual_seed(seed)
+
+    def weights(shape):
+        if integer_valued:  # small integers: every product and sum exact in float32, in any order
+            return torch.randint(-3, 4, shape, generator=generator).float()
+        return torch.randn(shape, generator=generator) * 0.3
+
+    for slot, ranks in SLOT_RANKS.items():
+        pairs = {(0, t): (weights((r, IN_FEATURES)), weights((n, r)))
+                 for t, n, r in zip(TARGETS, OUT_SIZES, ranks) if r > 0}
+        stack.write(slot, 0, LoraAdapter(f"s{slot}", "", f"id{slot}", max(ranks), pairs))
+    return stack
+
+
+def _segments() -> tuple[np.ndarray, np.ndarray]:
+    """rows sorted by slot and (slot, first, end) segments of at most 8, as LoraStep.native_step."""
+    slots = np.asarray(SLOT_OF_ROW)
+    rows = np.flatnonzero(slots >= 0)
+    rows = rows[np.argsort(slots[rows], kind="stable")]
+    segments, first = [], 0
+    while first < len(rows):
+        end = first
+        while end < len(rows) and end - first < quantized.LORA_SEGMENT_ROWS and slots[rows[end]] == slots[rows[first]]:
+            end += 1
+        segments.append((slots[rows[first]], first, end))
+        first = end
+    return np.ascontiguousarray(rows, dtype=np.int64), np.ascontiguousarray(segments, dtype=np.int64)
+
+
+def _apply(stack: _GroupStack, x: torch.Tensor, y: torch.Tensor, xop: int, norm: torch.Tensor | None = None,
+           eps: float = 1e-5, threads: int = 2) -> None:
+    rows, segments = _segments()
+    view = stack.native_view()
+    status = quantized.require_kernels().kvq_lora_apply(
+        ctypes.addressof(view), rows.ctypes.data, segments.ctypes.data, len(rows), len(segments), x.data_ptr(),
+        quantized.activation_type(x.dtype), x.stride(0), xop, None if norm is None else norm.data_ptr(), eps,
+        y.data_ptr(), y.stride(0), threads)
+    assert status == 0
+
+
+def _expected_delta(stack: _GroupStack, xt: torch.Tensor) -> torch.Tensor:
+    """[rows, out] float64: each adapter row's x A B per target, from the stack's (bf16-valued) weights."""
+    delta = torch.zeros((len(SLOT_OF_ROW), stack.b.shape[2]), dtype=torch.float64)
+    for row, slot in enumerate(SLOT_OF_ROW):
+        if slot >= 0:
+            delta[row] = xt[row].double() @ stack.a[slot].double() @ stack.b[slot].double()
+    return delta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_update_on_tile_tails_is_exact_where_the_arithmetic_is(isa, dtype):
+    """Integer weights and inputs: x A B is exact on every path, so y must be
+    y + x A B bit for bit (float32), or its round to nearest even (bfloat16,
+    the same rounding as torch's). A column missed in a tail or a rank row
+    skipped changes some output; y's rows are strided with 3 columns of -0.0
+    after them, which a write past the last target's columns (even of +0.0,
+    what its zero padding sums to) would flip to +0.0."""
+    stack = _stack(integer_valued=True, seed=1)
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randint(-3, 4, (len(SLOT_OF_ROW), IN_FEATURES), generator=generator).to(dtype)
+    out = sum(OUT_SIZES)
+    y_rows = torch.full((len(SLOT_OF_ROW), out + 3), -0.0, dtype=dtype)
+    y = y_rows[:, :out]
+    # fractions under the sum's ulp at bf16: the rounding of y + delta decides the result
+    y.copy_(torch.randn((len(SLOT_OF_ROW), out), generator=generator) * 3)
+    expected = (y.double() + _expected_delta(stack, x)).to(dtype)
+    _apply(stack, x, y, X_PLAIN)
+    assert torch.equal(y, expected)
+    assert torch.signbit(y_rows[:, out:]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transform", ["rms_norm", "swiglu"])
+def test_the_update_applies_the_linears_input_transform(isa, dtype, transform):
+    """Random weights through the RMSNorm (qkv's, gate_up's input) and SwiGLU
+    (down's) transforms, float32 or bfloat16 activations, against float64."""
+    stack = _stack(integer_valued=False, seed=3)
+    generator = torch.Generator().manual_seed(4)
+    width = 2 * IN_FEATURES if transform == "swiglu" else IN_FEATURES
+    x = torch.randn((len(SLOT_OF_ROW), width), generator=generator).to(dtype)
+    norm = (1 + 0.1 * torch.randn(IN_FEATURES, generator=generator)).to(dtype)
+    y = torch.randn((len(SLOT_OF_ROW), sum(OUT_SIZES)), generator=generator).to(dtype)
+    before = y.clone()
+    if transform == "swiglu":
+        _apply(stack, x, y, X_SWIGLU)
+        xt = input_transform(x.double(), None, swiglu=True)
+    else:
+        _apply(stack, x, y, X_RMS_NORM, norm)
+        xt = input_transform(x.double(), (norm.double(), 1e-5), swiglu=False)
+    delta = _expected_delta(stack, xt)
+    expected = before.double() + delta
+    # float32: the kernel's sums in float32 (~1e-6 of the delta); bfloat16: y's own rounding
+    atol = 1e-5 * delta.abs().max().item() if dtype == torch.float32 else 0.0
+    rtol = 0 if dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(y.double(), expected, rtol=rtol, atol=atol)
+    base_rows = [r for r, slot in enumerate(SLOT_OF_ROW) if slot < 0]
+    assert torch.equal(y[base_rows], before[base_rows])
+    assert not torch.equal(y, before)

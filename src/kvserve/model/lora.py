@@ -225,10 +225,19 @@ def _target_dims(config: ModelConfig) -> dict[str, tuple[int, int]]:
 class _GroupStack:
     """One fused linear's adapters, per slot: A [S, in, k*R], B [S, k*R, out].
     Columns j*R .. j*R + rank of a slot's A (and those rows of its B) are
-    target j's; B's rows for target j fill only target j's output columns."""
+    target j's; B's rows for target j fill only target j's output columns.
+
+    With `native` (the one-call step takes the update), each target's A and B
+    are also held as csrc's kvq_lora_linear panels: bfloat16, tiles of 16
+    columns, A's [in][16] per tile of rank columns and B's [rank][16] per tile
+    of output columns, so the kernel reads each panel front to back at half
+    the bytes of float32. The weights are then rounded to bfloat16 once, here,
+    in A and B too, so the per-layer torch update (`LoraStep.add`) computes
+    with the same weights as the native one (an adapter saved in bfloat16
+    loses nothing; a float32 one moves by at most 2^-9 of each weight)."""
 
     def __init__(self, targets: Sequence[str], dims: dict[str, tuple[int, int]], num_slots: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, native: bool = False) -> None:
         self.targets = tuple(targets)
         self.max_rank = max_rank
         width = len(targets) * max_rank
@@ -240,12 +249,20 @@ class _GroupStack:
         # each slot's rank per target (0: not targeted): the native update skips the padding
         self.ranks = torch.zeros((num_slots, len(targets)), dtype=torch.int64)
         self.used_slots: set[int] = set()  # slots whose adapter targets this group
+        self.native = native
+        if native:  # csrc's panels: per slot and target, A [tiles(R)][in][16]; per slot, B [sum_j tiles(out_j)][R][16]
+            self._a_panel = _tiles(max_rank) * 16 * in_features
+            self._b_panel_offsets = [max_rank * 16 * sum(_tiles(n) for n in out_sizes[:j])
+                                     for j in range(len(targets) + 1)]
+            self.packed_a = torch.zeros((num_slots, len(targets), self._a_panel), dtype=torch.bfloat16)
+            self.packed_b = torch.zeros((num_slots, self._b_panel_offsets[-1]), dtype=torch.bfloat16)
 
-    def native(self) -> NativeLoraLinear:
-        """csrc's view of these tensors (float32 CPU ones; they never move)."""
+    def native_view(self) -> NativeLoraLinear:
+        """csrc's view of the packed panels (CPU tensors that never move)."""
         offsets = (ctypes.c_int64 * (LORA_MAX_TARGETS + 1))(*self.out_offsets, self.b.shape[2])
-        return NativeLoraLinear(self.a.data_ptr(), self.b.data_ptr(), self.ranks.data_ptr(), self.a.shape[1],
-                                self.b.shape[2], self.a.shape[2], self.max_rank, len(self.targets), offsets)
+        return NativeLoraLinear(self.packed_a.data_ptr(), self.packed_b.data_ptr(), self.ranks.data_ptr(),
+                                self.a.shape[1], self.b.shape[2], self.a.shape[2], self.max_rank, len(self.targets),
+                                offsets)
 
     def write(self, slot: int, layer: int, adapter: LoraAdapter) -> None:
         self.clear(slot)
@@ -253,7 +270,10 @@ class _GroupStack:
             pair = adapter.weights.get((layer, target))
             if pair is None:
                 continue
-            a, b = pair
+            a, b = pair  # [rank, in], [out, rank]
+            if self.native:
+                a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
+                self._pack(slot, j, a.t(), b.t())
             rank, out = a.shape[0], b.shape[0]
             col = j * self.max_rank
             self.a[slot, :, col:col + rank] = a.t().to(self.a.dtype)
@@ -261,40 +281,65 @@ class _GroupStack:
             self.ranks[slot, j] = rank
             self.used_slots.add(slot)
 
+    def _pack(self, slot: int, j: int, a_t: Tensor, b_t: Tensor) -> None:
+        """Target j's A^T [in, rank] and B^T [rank, out] (bf16) into the slot's panels."""
+        in_features, rank = a_t.shape
+        out = b_t.shape[1]
+        a_tiles = torch.nn.functional.pad(a_t, (0, _tiles(rank) * 16 - rank)).view(in_features, -1, 16)
+        a_flat = a_tiles.permute(1, 0, 2).reshape(-1)  # [tiles][in][16]
+        self.packed_a[slot, j, :a_flat.numel()] = a_flat
+        b_tiles = torch.nn.functional.pad(b_t, (0, _tiles(out) * 16 - out)).view(rank, -1, 16)
+        b_flat = b_tiles.permute(1, 0, 2).reshape(-1)  # [tiles][rank][16]: tile q at q * rank * 16
+        start = self._b_panel_offsets[j]
+        self.packed_b[slot, start:start + b_flat.numel()] = b_flat
+
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
         self.ranks[slot].zero_()
+        if self.native:
+            self.packed_a[slot].zero_()
+            self.packed_b[slot].zero_()
         self.used_slots.discard(slot)
+
+
+def _tiles(n: int) -> int:
+    """csrc's lora_tiles: 16-column tiles holding n columns."""
+    return -(-n // 16)
 
 
 class LoraSlots:
     """The adapters resident at once: `num_slots` slots (--max-loras) of
     rank up to `max_rank` (--max-lora-rank), filled on demand and evicted
-    least recently used. Only the engine thread touches it."""
+    least recently used. Only the engine thread touches it.
+
+    `native_step`: the model runs its steps in csrc's one call
+    (model/llama.NativeStep); float32 slots on the CPU then also hold the
+    kernel's bf16 panels (`_GroupStack`), and every adapter's weights are
+    rounded to bfloat16 for both paths."""
 
     def __init__(self, config: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, native_step: bool = False) -> None:
         if num_slots < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {num_slots} and {max_rank}")
         self.num_slots, self.max_rank = num_slots, max_rank
         self.dtype, self.device = dtype, device
+        # The one-call step's view of every stack (csrc's kvq_lora_linear per
+        # layer and group), for float32 slots on the CPU; built on first use.
+        self.native_capable = native_step and dtype == torch.float32 and device.type == "cpu"
+        self._native_linears: ctypes.Array | None = None
         dims = _target_dims(config)
-        self.layers = [{group: _GroupStack(targets, dims, num_slots, max_rank, dtype, device)
+        self.layers = [{group: _GroupStack(targets, dims, num_slots, max_rank, dtype, device, self.native_capable)
                         for group, targets in GROUPS.items()} for _ in range(config.num_hidden_layers)]
         # The update's small matmuls on one thread (CPU; see the module's docstring).
         self.one_thread_update = device.type == "cpu"
         self._resident: OrderedDict[str, int] = OrderedDict()  # adapter_id -> slot, least recent first
         self.num_loads = 0  # adapters written into a slot (each eviction makes one more later)
-        # The one-call decode step's view of every stack (csrc's kvq_lora_linear
-        # per layer and group), for float32 slots on the CPU; built on first use.
-        self.native_capable = dtype == torch.float32 and device.type == "cpu"
-        self._native_linears: ctypes.Array | None = None
 
     def native_linears(self) -> ctypes.Array:
         """[layers * 4] kvq_lora_linear, qkv, o, gate_up, down per layer (GROUPS' order)."""
         if self._native_linears is None:
-            entries = [groups[group].native() for groups in self.layers for group in GROUPS]
+            entries = [groups[group].native_view() for groups in self.layers for group in GROUPS]
             self._native_linears = (NativeLoraLinear * len(entries))(*entries)
         return self._native_linears
 

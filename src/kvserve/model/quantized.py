@@ -69,6 +69,8 @@ def _library() -> ctypes.CDLL | None:
     lib.kvq_decode_layers.argtypes = [ptr, i64, ptr, i32, i64, i64, i64, i64, i64, i64, f32, f32,
                                       ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i32, ptr]
     lib.kvq_decode_layers.restype = i32
+    lib.kvq_lora_apply.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i32, i64, i32, ptr, f32, ptr, i64, i32]
+    lib.kvq_lora_apply.restype = i32
     lib.kvq_set_isa.argtypes = [i32]
     lib.kvq_set_isa.restype = i32
     lib.kvq_set_isa(int(os.environ.get("KVSERVE_KVQ_PORTABLE", "0") == "1"))
@@ -273,7 +275,7 @@ LORA_SEGMENT_ROWS = 8  # csrc's KVQ_LORA_SEG_ROWS: tokens of one slot per segmen
 
 class NativeLoraLinear(ctypes.Structure):
     """csrc's kvq_lora_linear: one fused linear's resident adapters
-    (model/lora._GroupStack's float32 a, b and ranks tensors) as pointers."""
+    (model/lora._GroupStack's bf16 packed_a, packed_b panels and its ranks) as pointers."""
 
     _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("ranks", ctypes.c_void_p),
                 ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64), ("width", ctypes.c_int64),

@@ -95,8 +95,9 @@ class ModelRunner:
         self.scratch_slot = self.num_blocks * block_size
         self.sampler = Sampler(seed=seed, device=self.device)
         self.rejection_sampler = RejectionSampler(self.sampler)
-        self.lora_slots = None if max_loras is None else LoraSlots(config, max_loras, max_lora_rank, self.dtype,
-                                                                   self.device)
+        self.lora_slots = None if max_loras is None else LoraSlots(
+            config, max_loras, max_lora_rank, self.dtype, self.device,
+            native_step=getattr(self.model, "native_decode", None) is not None)
         formats = ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in self.model.weight_formats().items())
         log.info("resident weights %.1f MiB (%s); KV cache %.1f MiB = %d blocks of %d tokens",
                  self.weight_bytes / 2**20, formats, self.num_blocks * kv_bytes_per_block(

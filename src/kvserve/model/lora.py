@@ -19,8 +19,11 @@ call (csrc's kvq_decode_layers) with the same update inside it:
 `LoraStep.native_step` hands it the tokens sorted by slot in segments of up
 to 8, and per fused linear the kernel multiplies each segment's rows by its
 slot's A and then by B over only each target's own rank rows and output
-columns (`_GroupStack.ranks`), in float32 (AVX2: tiles of 4 rows x 16
-columns whose sums stay in registers), on the kernels' thread pool.
+columns (`_GroupStack.ranks`), reading the slot's bfloat16 panels
+(`_GroupStack` packs them at load) front to back and summing in float32
+(AVX-512: one segment's rows x 16 columns held in registers), one pool job
+per linear. Those slots hold every adapter's weights rounded to bfloat16,
+in the float32 stacks too, so both paths compute with the same weights.
 
 The update's matmuls are small (rank 16): on the CPU they run on one thread.
 Torch's OpenMP team makes every member join every region, and with the

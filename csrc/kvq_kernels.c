@@ -929,20 +929,35 @@ KVQ_AVX2 __m256 cache8_avx2(const char* row, int dtype, int64_t i) { return load
  * One query row's state across tiles (its running max, denominator, output). */
 typedef struct { float mx[KVQ_MAX_GROUP], den[KVQ_MAX_GROUP]; } softmax_state;
 
+/* Where positions p0..p0+n-1 of a context keep their keys for KV head kvh:
+ * krow[j] (its values follow Hkv * D elements on). Two divisions per tile, not
+ * two per position (a 64-bit division per key was a good part of a prefill's
+ * attention). */
+static void tile_key_rows(const char* cache, int dtype, int64_t Hkv, int64_t kvh, int64_t D, const int64_t* blocks,
+                          int64_t block_size, int64_t p0, int64_t n, const char** krow) {
+    const size_t esz = dtype == KVQ_BF16 ? 2 : 4, slot_bytes = (size_t)2 * Hkv * D * esz;
+    int64_t block = p0 / block_size, offset = p0 % block_size;
+    for (int64_t j = 0; j < n; j++) {
+        krow[j] = cache + (size_t)(blocks[block] * block_size + offset) * slot_bytes + (size_t)kvh * D * esz;
+        if (++offset == block_size) { offset = 0; block++; }
+    }
+}
+
 /* Positions p0..p0+n-1 of one query row: the tile's key and value rows. */
-KVQ_AVX2 void attend_tile_avx2(const float* qs, int64_t group, int64_t D, const char* cache, int dtype,
+typedef void (*attend_tile_fn)(const float* qs, int64_t group, int64_t D, const char* cache, int dtype, int64_t Hkv,
+                               int64_t kvh, const int64_t* blocks, int64_t block_size, int64_t p0, int64_t n,
+                               softmax_state* st, float* acc);
+
+__attribute__((target("avx2,fma,f16c")))
+static void attend_tile_avx2(const float* qs, int64_t group, int64_t D, const char* cache, int dtype,
                                int64_t Hkv, int64_t kvh, const int64_t* blocks, int64_t block_size, int64_t p0,
                                int64_t n, softmax_state* st, float* acc) {
-    const size_t esz = dtype == KVQ_BF16 ? 2 : 4, slot_bytes = (size_t)2 * Hkv * D * esz;
+    const size_t esz = dtype == KVQ_BF16 ? 2 : 4;
     float *mx = st->mx, *den = st->den, sc[KVQ_MAX_GROUP][KVQ_TILE];
     {
         const char *krow[KVQ_TILE + 3], *vrow[KVQ_TILE];
-        for (int64_t j = 0; j < n; j++) {
-            const int64_t p = p0 + j;
-            krow[j] = cache + (size_t)(blocks[p / block_size] * block_size + p % block_size) * slot_bytes
-                      + (size_t)kvh * D * esz;
-            vrow[j] = krow[j] + (size_t)Hkv * D * esz;
-        }
+        tile_key_rows(cache, dtype, Hkv, kvh, D, blocks, block_size, p0, n, krow);
+        for (int64_t j = 0; j < n; j++) vrow[j] = krow[j] + (size_t)Hkv * D * esz;
         for (int64_t j = n; j < n + 3; j++) krow[j] = krow[0];  /* the last group of four reads valid rows */
         for (int64_t g = 0; g < group; g++) {
             const float* qg = qs + g * D;
@@ -1000,7 +1015,7 @@ KVQ_AVX2 void attend_tile_avx2(const float* qs, int64_t group, int64_t D, const 
  * kernel ~18% of a batch-1 step at 300 positions, perf). One tile of work
  * ahead covers a miss; rows of the same sequence after the first find the
  * tile in L1 anyway. */
-KVQ_AVX2 void prefetch_tile_avx2(int64_t D, const char* cache, int dtype, int64_t Hkv, int64_t kvh,
+static inline void prefetch_tile(int64_t D, const char* cache, int dtype, int64_t Hkv, int64_t kvh,
                                  const int64_t* blocks, int64_t block_size, int64_t p0, int64_t L) {
     const size_t esz = dtype == KVQ_BF16 ? 2 : 4, slot_bytes = (size_t)2 * Hkv * D * esz, row_bytes = (size_t)D * esz;
     const int64_t p1 = p0 + KVQ_TILE < L ? p0 + KVQ_TILE : L;
@@ -1014,15 +1029,155 @@ KVQ_AVX2 void prefetch_tile_avx2(int64_t D, const char* cache, int dtype, int64_
     }
 }
 
+/* ---- attention with AVX-512 (the "best" path where the CPU has it) -------- */
+
+#define KVQ_AVX512 __attribute__((target("avx2,fma,f16c,avx512f"), always_inline)) static inline
+
+/* 16 floats of a cache row (float32 or bfloat16) at element i. */
+KVQ_AVX512 __m512 cache16_avx512(const char* row, int dtype, int64_t i) {
+    if (dtype == KVQ_BF16) {
+        __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)row + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float*)row + i);
+}
+
+/* exp_nonpos_avx2 on 16 lanes, op for op. */
+KVQ_AVX512 __m512 exp_nonpos_avx512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+/* Lane k of the result: the sum of v[k]'s 16 lanes, for k < 16. Pairs of
+ * vectors fold within 128-bit lanes, then across them: 45 ops for 16 sums,
+ * where one horizontal sum per vector costs ~8. Every sum adds its lanes in
+ * the same order, whichever k it is. */
+KVQ_AVX512 __m512 hsum16x16_avx512(const __m512 v[16]) {
+    __m512 t[8], u[4];
+    for (int k = 0; k < 8; k++)  /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++) {  /* per 128-bit lane: the 4 vectors' sums of that lane */
+        const __m512d a = _mm512_castps_pd(t[2 * k]), b = _mm512_castps_pd(t[2 * k + 1]);
+        u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const int even = _MM_SHUFFLE(2, 0, 2, 0), odd = _MM_SHUFFLE(3, 1, 3, 1);
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], even), _mm512_shuffle_f32x4(u[0], u[1], odd));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], even), _mm512_shuffle_f32x4(u[2], u[3], odd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, even), _mm512_shuffle_f32x4(w0, w1, odd));
+}
+
+/* Scores of query qg against keys krow[0..15] (D % 64 == 0): a key's four
+ * 16-column products at a time, so one row pointer is live, not sixteen. */
+KVQ_AVX512 __m512 dots16_avx512(const float* qg, const char* const* krow, int dtype, int64_t D) {
+    __m512 acc[16];
+    for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D; i += 64) {
+        const __m512 q0 = _mm512_loadu_ps(qg + i), q1 = _mm512_loadu_ps(qg + i + 16);
+        const __m512 q2 = _mm512_loadu_ps(qg + i + 32), q3 = _mm512_loadu_ps(qg + i + 48);
+        for (int t = 0; t < 16; t++) {
+            const char* k = krow[t];
+            acc[t] = _mm512_fmadd_ps(q0, cache16_avx512(k, dtype, i), acc[t]);
+            acc[t] = _mm512_fmadd_ps(q1, cache16_avx512(k, dtype, i + 16), acc[t]);
+            acc[t] = _mm512_fmadd_ps(q2, cache16_avx512(k, dtype, i + 32), acc[t]);
+            acc[t] = _mm512_fmadd_ps(q3, cache16_avx512(k, dtype, i + 48), acc[t]);
+        }
+    }
+    return hsum16x16_avx512(acc);
+}
+
+/* acc[h] = acc[h] * corr[h] + sum_j e[h][j] v[j] over NH heads and the 64
+ * output columns at i: the tile's value rows read once for NH heads. */
+KVQ_AVX512 void values_avx512(const float (*sc)[KVQ_TILE], const float* corr, const char* const* vrow, int dtype,
+                              int64_t n, int64_t i, int64_t D, float* acc, const int NH) {
+    __m512 a[4][4];
+    for (int h = 0; h < NH; h++)
+        for (int c = 0; c < 4; c++) a[h][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + i + 16 * c), _mm512_set1_ps(corr[h]));
+    for (int64_t j = 0; j < n; j++) {
+        __m512 v[4];
+        for (int c = 0; c < 4; c++) v[c] = cache16_avx512(vrow[j], dtype, i + 16 * c);
+        for (int h = 0; h < NH; h++) {
+            const __m512 e = _mm512_set1_ps(sc[h][j]);
+            for (int c = 0; c < 4; c++) a[h][c] = _mm512_fmadd_ps(e, v[c], a[h][c]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + h * D + i + 16 * c, a[h][c]);
+}
+
+/* attend_tile_avx2 for D % 64 == 0 in 512-bit registers: sixteen keys'
+ * scores at a time (their dot products summed together, hsum16x16), so the
+ * softmax runs on whole vectors, and each value row is loaded once for up to
+ * four heads. Lanes past the tile's n keys hold a repeated valid key, masked
+ * to a zero weight. */
+KVQ_AVX512 void attend_tile_avx512_of(const float* qs, int64_t group, int64_t D, const char* cache, const int dtype,
+                                      int64_t Hkv, int64_t kvh, const int64_t* blocks, int64_t block_size, int64_t p0,
+                                      int64_t n, softmax_state* st, float* acc) {
+    const size_t esz = dtype == KVQ_BF16 ? 2 : 4;
+    const char *krow[KVQ_TILE], *vrow[KVQ_TILE];
+    float sc[KVQ_MAX_GROUP][KVQ_TILE], corr[KVQ_MAX_GROUP];
+    tile_key_rows(cache, dtype, Hkv, kvh, D, blocks, block_size, p0, n, krow);
+    for (int64_t j = n; j < KVQ_TILE; j++) krow[j] = krow[0];
+    for (int64_t j = 0; j < KVQ_TILE; j++) vrow[j] = krow[j] + (size_t)Hkv * D * esz;
+    const int64_t halves = (n + 15) / 16;  /* 16-key halves of the tile holding keys */
+    for (int64_t g = 0; g < group; g++) {
+        __m512 s[2] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY)};
+        __mmask16 live[2] = {0, 0};
+        for (int64_t b = 0; b < halves; b++) {
+            const int64_t keys = n - 16 * b < 16 ? n - 16 * b : 16;
+            live[b] = (__mmask16)((1u << keys) - 1);
+            s[b] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live[b], dots16_avx512(qs + g * D, krow + 16 * b, dtype, D));
+        }
+        const float tile_max = fmaxf(st->mx[g], _mm512_reduce_max_ps(_mm512_max_ps(s[0], s[1])));
+        const __m512 shift = _mm512_set1_ps(tile_max);
+        const __m512 e0 = _mm512_maskz_mov_ps(live[0], exp_nonpos_avx512(_mm512_sub_ps(s[0], shift)));
+        const __m512 e1 = _mm512_maskz_mov_ps(live[1], exp_nonpos_avx512(_mm512_sub_ps(s[1], shift)));
+        _mm512_storeu_ps(sc[g], e0);
+        _mm512_storeu_ps(sc[g] + 16, e1);
+        corr[g] = expf(st->mx[g] - tile_max);
+        st->den[g] = st->den[g] * corr[g] + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+        st->mx[g] = tile_max;
+    }
+    for (int64_t g = 0; g < group; g += 4)
+        for (int64_t i = 0; i < D; i += 64)
+            switch (group - g < 4 ? group - g : 4) {
+                case 4: values_avx512(sc + g, corr + g, vrow, dtype, n, i, D, acc + g * D, 4); break;
+                case 3: values_avx512(sc + g, corr + g, vrow, dtype, n, i, D, acc + g * D, 3); break;
+                case 2: values_avx512(sc + g, corr + g, vrow, dtype, n, i, D, acc + g * D, 2); break;
+                default: values_avx512(sc + g, corr + g, vrow, dtype, n, i, D, acc + g * D, 1); break;
+            }
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f")))
+static void attend_tile_avx512(const float* qs, int64_t group, int64_t D, const char* cache, int dtype,
+                               int64_t Hkv, int64_t kvh, const int64_t* blocks, int64_t block_size, int64_t p0,
+                               int64_t n, softmax_state* st, float* acc) {
+    if (dtype == KVQ_BF16)  /* the cache's type a constant in each copy: no branch per load */
+        attend_tile_avx512_of(qs, group, D, cache, KVQ_BF16, Hkv, kvh, blocks, block_size, p0, n, st, acc);
+    else
+        attend_tile_avx512_of(qs, group, D, cache, KVQ_F32, Hkv, kvh, blocks, block_size, p0, n, st, acc);
+}
+
 /* Query rows r0..r1-1 (one KV head), tile by tile: each row does exactly the
  * work it would alone (its own block table, context and tiles, so the same
  * results), but the rows of one sequence, a prefill's consecutive tokens,
  * read each tile's keys and values from L1 after the first row instead of
  * each streaming its whole context from L2/L3. */
-__attribute__((target("avx2,fma,f16c")))
-static void attend_rows_avx2(const float* qs, int64_t group, int64_t D, const char* cache, int dtype, int64_t Hkv,
-                             int64_t kvh, const int64_t* block_table, int64_t max_blocks, int64_t block_size,
-                             const int64_t* context_lens, int64_t r0, int64_t r1, softmax_state* st, float* acc) {
+static void attend_rows(attend_tile_fn attend_tile, const float* qs, int64_t group, int64_t D, const char* cache,
+                        int dtype, int64_t Hkv, int64_t kvh, const int64_t* block_table, int64_t max_blocks,
+                        int64_t block_size, const int64_t* context_lens, int64_t r0, int64_t r1, softmax_state* st,
+                        float* acc) {
     const int64_t width = group * D;
     int64_t longest = 0;
     for (int64_t r = r0; r < r1; r++) {
@@ -1035,11 +1190,10 @@ static void attend_rows_avx2(const float* qs, int64_t group, int64_t D, const ch
         for (int64_t r = r0; r < r1; r++) {
             const int64_t L = context_lens[r];
             if (p0 >= L) continue;
-            if (r == r0) prefetch_tile_avx2(D, cache, dtype, Hkv, kvh, block_table + r * max_blocks, block_size,
-                                            p0 + KVQ_TILE, L);
-            attend_tile_avx2(qs + (r - r0) * width, group, D, cache, dtype, Hkv, kvh, block_table + r * max_blocks,
-                             block_size, p0, L - p0 < KVQ_TILE ? L - p0 : KVQ_TILE, st + (r - r0),
-                             acc + (r - r0) * width);
+            if (r == r0) prefetch_tile(D, cache, dtype, Hkv, kvh, block_table + r * max_blocks, block_size,
+                                       p0 + KVQ_TILE, L);
+            attend_tile(qs + (r - r0) * width, group, D, cache, dtype, Hkv, kvh, block_table + r * max_blocks,
+                        block_size, p0, L - p0 < KVQ_TILE ? L - p0 : KVQ_TILE, st + (r - r0), acc + (r - r0) * width);
         }
     for (int64_t r = r0; r < r1; r++)
         for (int64_t g = 0; g < group; g++)
@@ -1049,7 +1203,7 @@ static void attend_rows_avx2(const float* qs, int64_t group, int64_t D, const ch
 
 typedef struct {
     const void* q; int dtype; int64_t ldq; const void* cache; const int64_t *block_table, *context_lens;
-    int64_t max_blocks, block_size, H, Hkv, D; float scale; void* out; int avx2;
+    int64_t max_blocks, block_size, H, Hkv, D; float scale; void* out; int isa;  /* matmul_isa()'s */
     int64_t B, rows_per_item;
 } attention_job;
 
@@ -1065,22 +1219,31 @@ static void attend_chunk(const void* ctx, int64_t item) {  /* rows_per_item quer
     const int64_t r1 = r0 + j->rows_per_item < j->B ? r0 + j->rows_per_item : j->B;
     float qs[KVQ_MAX_GROUP * KVQ_MAX_D], acc[KVQ_MAX_GROUP * KVQ_MAX_D];  /* rows_per_item rows of width */
     if (group < 1 || D < 1) return;  /* refused by the caller; tells the compiler qs is written */
-    for (int64_t r = r0; r < r1; r++)
-        for (int64_t i = 0; i < width; i++)
-            qs[(r - r0) * width + i] = load_x(j->q, j->dtype, r * j->ldq + kvh * width + i) * j->scale;
+    for (int64_t r = r0; r < r1; r++) {  /* float32 apart: a loop the compiler vectorizes */
+        float* qr = qs + (r - r0) * width;
+        if (j->dtype == KVQ_F32) {
+            const float* src = (const float*)j->q + r * j->ldq + kvh * width;
+            for (int64_t i = 0; i < width; i++) qr[i] = src[i] * j->scale;
+        } else {
+            for (int64_t i = 0; i < width; i++) qr[i] = load_x(j->q, j->dtype, r * j->ldq + kvh * width + i) * j->scale;
+        }
+    }
 #ifdef KVQ_X86
-    if (j->avx2 && D % 32 == 0) {
+    if (j->isa >= 2 && D % 32 == 0) {
         softmax_state st[KVQ_ATTEND_ROWS];
-        attend_rows_avx2(qs, group, D, (const char*)j->cache, j->dtype, j->Hkv, kvh, j->block_table, j->max_blocks,
-                         j->block_size, j->context_lens, r0, r1, st, acc);
+        attend_rows(j->isa == 3 && D % 64 == 0 ? attend_tile_avx512 : attend_tile_avx2, qs, group, D,
+                    (const char*)j->cache, j->dtype, j->Hkv, kvh, j->block_table, j->max_blocks, j->block_size,
+                    j->context_lens, r0, r1, st, acc);
     } else
 #endif
     for (int64_t r = r0; r < r1; r++)
         attend_one(qs + (r - r0) * width, group, D, (const char*)j->cache, j->dtype, j->Hkv, kvh,
                    j->block_table + r * j->max_blocks, j->block_size, j->context_lens[r], acc + (r - r0) * width);
-    for (int64_t r = r0; r < r1; r++)
-        for (int64_t i = 0; i < width; i++)
-            store_y(j->out, j->dtype, r * j->H * D + kvh * width + i, acc[(r - r0) * width + i]);
+    for (int64_t r = r0; r < r1; r++) {
+        const float* ar = acc + (r - r0) * width;
+        if (j->dtype == KVQ_F32) memcpy((float*)j->out + r * j->H * D + kvh * width, ar, (size_t)width * sizeof(float));
+        else for (int64_t i = 0; i < width; i++) store_y(j->out, j->dtype, r * j->H * D + kvh * width + i, ar[i]);
+    }
 }
 
 /* 0 when the shapes fit the kernel's fixed buffers, else -1 (nothing written). */
@@ -1095,7 +1258,7 @@ int kvq_decode_attention(const void* q, int dtype, int64_t ldq, const void* cach
     rows_per_item = rows_per_item > KVQ_ATTEND_ROWS ? KVQ_ATTEND_ROWS : rows_per_item;
     rows_per_item = rows_per_item > fit ? fit : rows_per_item < 1 ? 1 : rows_per_item;
     attention_job j = {q, dtype, ldq, cache, block_table, context_lens, max_blocks, block_size, H, Hkv, D, scale, out,
-                       !g_force_scalar && kvq_has_avx2(), B, rows_per_item};
+                       matmul_isa(), B, rows_per_item};
     /* Below ~1,000 positions in all, one (sequence, head) takes microseconds: no helpers. */
     int64_t positions = 0;
     for (int64_t b = 0; b < B; b++) positions += context_lens[b];

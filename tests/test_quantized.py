@@ -152,11 +152,18 @@ def test_bad_operands_are_refused():
         QuantizedWeight.from_float("q8_0", torch.randn(4, 48))
 
 
+# Head dims: 32 takes the AVX2 tiles on every SIMD path, 64 the AVX-512 ones on
+# the "best" path where the CPU has them.
+HEAD_DIMS = [32, 64]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_reads_paged_cache_like_sdpa(isa, dtype):
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("h, hkv", [(6, 2), (10, 2)])  # 3 and 5 query heads per KV head
+def test_decode_attention_reads_paged_cache_like_sdpa(isa, dtype, d, h, hkv):
     from kvserve.model.attention import AttentionMetadata, native_attention
 
-    h, hkv, d, block_size = 6, 2, 32, 4
+    block_size = 4
     lens = [1, 9, 75]  # the last spans three of the kernel's 32-position tiles
     order = torch.randperm(30, generator=torch.Generator().manual_seed(0)).tolist()  # scattered blocks
     blocks = [order[:1], order[1:4], order[4:23]]
@@ -185,7 +192,8 @@ def test_decode_attention_reads_paged_cache_like_sdpa(isa, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_steps_with_several_tokens_per_sequence_attend_causally_like_sdpa(isa, dtype):
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_steps_with_several_tokens_per_sequence_attend_causally_like_sdpa(isa, dtype, d):
     """Prefill chunks (one fresh, one on top of a cached prefix) and a decode in
     one step, indexed by the runner's own build_step_batch: the native kernel's
     per-token causal attention equals SDPA over the gathered, masked context."""
@@ -196,7 +204,7 @@ def test_steps_with_several_tokens_per_sequence_attend_causally_like_sdpa(isa, d
     from kvserve.runner.step_batch import build_step_batch
     from kvserve.scheduler.scheduler import ScheduledChunk
 
-    h, hkv, d, block_size = 6, 2, 32, 4
+    h, hkv, block_size = 6, 2, 4
     order = torch.randperm(40, generator=torch.Generator().manual_seed(1)).tolist()  # scattered blocks
     # (start, new tokens): 37 fresh prompt tokens (two 32-position tiles), a 5-token
     # chunk after 7 cached ones, one decode token at position 40.
@@ -218,7 +226,8 @@ def test_steps_with_several_tokens_per_sequence_attend_causally_like_sdpa(isa, d
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_rows_sharing_a_work_item_get_the_bits_they_get_alone(isa, dtype):
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_attention_rows_sharing_a_work_item_get_the_bits_they_get_alone(isa, dtype, d):
     """The kernel attends a prefill's query rows several to a work item, tile by
     tile, so the rows of one sequence share each tile's K/V reads; each row still
     does its own work on its own context, so every output equals the same row's
@@ -228,7 +237,7 @@ def test_attention_rows_sharing_a_work_item_get_the_bits_they_get_alone(isa, dty
     from kvserve.runner.step_batch import build_step_batch
     from kvserve.scheduler.scheduler import ScheduledChunk
 
-    h, hkv, d, block_size = 6, 2, 32, 4
+    h, hkv, block_size = 6, 2, 4
     order = torch.randperm(64, generator=torch.Generator().manual_seed(2)).tolist()  # scattered blocks
     shapes, blocks = [(0, 203), (9, 6), (70, 1)], [order[:51], order[51:55], order[45:63]]
     request = SimpleNamespace(token_ids_slice=lambda start, end: [1] * (end - start))

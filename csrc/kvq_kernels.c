@@ -294,6 +294,32 @@ static void quantize_row_avx2(const void* x, int xtype, int64_t K, int8_t* q, fl
         d[b] = scale; s[b] = scale * (float)_mm_cvtsi128_si32(s4);
     }
 }
+
+/* quantize_row_avx2 a block per two 512-bit registers, op for op per lane
+ * (the same max, rounding and saturating narrowing): the same bytes and scales. */
+__attribute__((target("avx2,fma,f16c,avx512f")))
+static void quantize_row_avx512(const void* x, int xtype, int64_t K, int8_t* q, float* d, float* s) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        __m512 v[2];
+        for (int i = 0; i < 2; i++) {
+            if (xtype == KVQ_BF16) {
+                __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)x + b * QK + 16 * i));
+                v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            } else {
+                v[i] = _mm512_loadu_ps((const float*)x + b * QK + 16 * i);
+            }
+        }
+        const float am = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+        const float scale = am / 127.f, inv = am > 0.f ? 127.f / am : 0.f;
+        const __m512 vinv = _mm512_set1_ps(inv);
+        __m512i qi[2];
+        for (int i = 0; i < 2; i++) {
+            qi[i] = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v[i], vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            _mm_storeu_si128((__m128i*)(q + b * QK + 16 * i), _mm512_cvtsepi32_epi8(qi[i]));
+        }
+        d[b] = scale; s[b] = scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qi[0], qi[1]));
+    }
+}
 #endif
 
 /* What the matmul applies to each input row before quantizing it. */
@@ -305,14 +331,17 @@ enum { KVQ_X_PLAIN = 0, KVQ_X_RMS_NORM = 1, KVQ_X_SWIGLU = 2 };
 __attribute__((target_clones("avx2", "default")))
 #ifdef KVQ_X86
 static void swiglu_avx2(const void* row, int xtype, int64_t K, float* out);  /* below, beside its exp */
+static void swiglu_avx512(const void* row, int xtype, int64_t K, float* out);
 #endif
 
+/* simd: 0 the portable loops, 3 AVX-512 (matmul_isa's 3), any other AVX2. */
 static void transform_row(const void* row, int xtype, int64_t K, int xop, const void* norm_w, float eps,
-                          float* out, int avx2) {
+                          float* out, int simd) {
 #ifdef KVQ_X86
-    if (xop == KVQ_X_SWIGLU && avx2) { swiglu_avx2(row, xtype, K, out); return; }
+    if (xop == KVQ_X_SWIGLU && simd == 3 && K % 16 == 0) { swiglu_avx512(row, xtype, K, out); return; }
+    if (xop == KVQ_X_SWIGLU && simd) { swiglu_avx2(row, xtype, K, out); return; }
 #endif
-    (void)avx2;
+    (void)simd;
     if (xop == KVQ_X_SWIGLU) {
         for (int64_t k = 0; k < K; k++) {
             float g = load_x(row, xtype, k);
@@ -330,16 +359,17 @@ static void transform_row(const void* row, int xtype, int64_t K, int xop, const 
 
 /* One activation row transformed (xop) and quantized. */
 static void quantize_row(const void* x, int xtype, int64_t K, int64_t ldx, int xop, const void* norm_w, float eps,
-                         int64_t m, int8_t* q, float* d, float* s, int avx2) {
+                         int64_t m, int8_t* q, float* d, float* s, int simd) {
     const size_t esz = xtype == KVQ_BF16 ? 2 : 4;
     const void* row = (const char*)x + (size_t)m * ldx * esz;
     int rtype = xtype;
     float tmp[xop == KVQ_X_PLAIN ? 1 : K];
-    if (xop != KVQ_X_PLAIN) { transform_row(row, xtype, K, xop, norm_w, eps, tmp, avx2); row = tmp; rtype = KVQ_F32; }
+    if (xop != KVQ_X_PLAIN) { transform_row(row, xtype, K, xop, norm_w, eps, tmp, simd); row = tmp; rtype = KVQ_F32; }
 #ifdef KVQ_X86
-    if (avx2) { quantize_row_avx2(row, rtype, K, q + m * K, d + m * (K / QK), s + m * (K / QK)); return; }
+    if (simd == 3) { quantize_row_avx512(row, rtype, K, q + m * K, d + m * (K / QK), s + m * (K / QK)); return; }
+    if (simd) { quantize_row_avx2(row, rtype, K, q + m * K, d + m * (K / QK), s + m * (K / QK)); return; }
 #endif
-    (void)avx2;
+    (void)simd;
     quantize_row_scalar(row, rtype, K, q + m * K, d + m * (K / QK), s + m * (K / QK));
 }
 
@@ -663,7 +693,7 @@ static void quantize_chunk(const void* ctx, int64_t chunk) {
     const matmul_job* j = ctx;
     const int64_t m1 = (chunk + 1) * KVQ_QUANT_ROWS < j->M ? (chunk + 1) * KVQ_QUANT_ROWS : j->M;
     for (int64_t m = chunk * KVQ_QUANT_ROWS; m < m1; m++)
-        quantize_row(j->x, j->xtype, j->K, j->ldx, j->xop, j->norm_w, j->eps, m, j->qa, j->da, j->sa, j->isa != 0);
+        quantize_row(j->x, j->xtype, j->K, j->ldx, j->xop, j->norm_w, j->eps, m, j->qa, j->da, j->sa, j->isa);
 }
 
 /* A chunk's weights (KVQ_GROUPS groups, ~12 KB at K=576) stay in L1 while every
@@ -1058,6 +1088,21 @@ KVQ_AVX512 __m512 exp_nonpos_avx512(__m512 x) {
     y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+KVQ_AVX512 __m512 swiglu16_avx512(__m512 g, __m512 u) {
+    const __m512 t = exp_nonpos_avx512(_mm512_castsi512_ps(
+        _mm512_or_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u))));  /* exp(-|g|) */
+    const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), g, _mm512_mul_ps(g, t));
+    return _mm512_mul_ps(_mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.f), t)), u);
+}
+
+/* swiglu_avx2 on 16 lanes, op for op (its exp, blend and division): the same
+ * floats, twice the inputs per instruction. K % 16 == 0. */
+__attribute__((target("avx2,fma,f16c,avx512f")))
+static void swiglu_avx512(const void* row, int xtype, int64_t K, float* out) {
+    for (int64_t k = 0; k < K; k += 16)
+        _mm512_storeu_ps(out + k, swiglu16_avx512(cache16_avx512(row, xtype, k), cache16_avx512(row, xtype, K + k)));
 }
 
 /* Lane k of the result: the sum of v[k]'s 16 lanes, for k < 16. Pairs of

@@ -77,8 +77,10 @@ def test_matmul_matches_float64_dequantized_product(isa, qtype, shape, dtype):
 def test_vnni_path_is_bit_identical_to_avx2(qtype):
     """The VNNI tiles (up to 8 activation rows, two groups per 512-bit register)
     compute the AVX2 tiles' integer dot products and float ops in the same order,
+    and the AVX-512 activation quantization and SwiGLU the AVX2 ones' per lane,
     so every output is the same float: checked over row counts that leave every
-    remainder of a tile and group counts with a lone last group."""
+    remainder of a tile and group counts with a lone last group, float32 and
+    bfloat16 inputs."""
     if quantized.set_isa("best") != "avx512_vnni" or quantized.set_isa("avx2") != "avx2":
         quantized.set_isa("best")
         pytest.skip("this CPU has no AVX512-VNNI path")
@@ -89,11 +91,14 @@ def test_vnni_path_is_bit_identical_to_avx2(qtype):
             for m in [1, 3, 4, 7, 8, 9, 16, 19]:
                 x, add = torch.randn(m, k, generator=gen), torch.randn(m, n, generator=gen)
                 norm_w = torch.rand(k, generator=gen) + 0.5
+                gate_up = torch.randn(m, 2 * k, generator=gen) * 4  # silu's both sides, past exp's easy range
                 outputs = {}
                 for path in ("avx2", "best"):
                     quantized.set_isa(path)
                     outputs[path] = (weight.matmul(x, add, norm=(norm_w, 1e-5)),
-                                     weight.matmul(x, out_dtype=torch.bfloat16))
+                                     weight.matmul(x, out_dtype=torch.bfloat16),
+                                     weight.matmul(gate_up, swiglu=True),
+                                     weight.matmul(gate_up.bfloat16(), swiglu=True, out_dtype=torch.float32))
                 for avx2_out, vnni_out in zip(outputs["avx2"], outputs["best"]):
                     assert torch.equal(avx2_out, vnni_out), f"N={n} K={k} M={m}"
     finally:

@@ -22,8 +22,11 @@
  * Activations are quantized per row in blocks of 32 (d = max|x|/127, q =
  * round(x/d)) with s = d*sum(q) kept for the Q4 offsets, as llama.cpp's Q8_1.
  *
- * Two code paths with the same results up to float summation order: AVX2
- * (+FMA, F16C), chosen at run time where the CPU has it, and portable C.
+ * Code paths chosen at run time (kvq_set_isa): portable C; AVX2 (+FMA, F16C);
+ * and, where the CPU has AVX512-VNNI, the "best" one: VNNI matmul tiles and
+ * 512-bit activation quantization and SwiGLU (all bit-identical to AVX2) and
+ * 512-bit attention tiles (the same results up to float summation order, as
+ * AVX2 is to portable C).
  */
 #define _GNU_SOURCE  /* pthread_setname_np */
 #include <math.h>

@@ -103,9 +103,10 @@ _ISA_NAMES = {0: "portable", 2: "avx2", 3: "avx512_vnni"}  # its answers: the ma
 
 
 def set_isa(isa: str) -> str:
-    """Pin the matmul's code path: "portable" (C), "avx2" (AVX2 without VNNI),
-    or "best" (the CPU's best: AVX512-VNNI where it has it). Returns the path
-    taken ("portable", "avx2" or "avx512_vnni"); tests run each."""
+    """Pin the kernels' code path: "portable" (C), "avx2" (AVX2, no AVX-512),
+    or "best" (the CPU's best: where it has AVX512-VNNI, VNNI matmul tiles and
+    512-bit quantization, SwiGLU and attention). Returns the path taken
+    ("portable", "avx2" or "avx512_vnni"); tests run each."""
     return _ISA_NAMES[require_kernels().kvq_set_isa(_ISA_MODES[isa])]
 
 

@@ -1067,7 +1067,8 @@ static inline void prefetch_tile(int64_t D, const char* cache, int dtype, int64_
 
 /* ---- attention with AVX-512 (the "best" path where the CPU has it) -------- */
 
-#define KVQ_AVX512 __attribute__((target("avx2,fma,f16c,avx512f"), always_inline)) static inline
+/* Every AVX-512 path here runs only where matmul_isa() is 3 (AVX512-VNNI with VL and BW). */
+#define KVQ_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw"), always_inline)) static inline
 
 /* 16 floats of a cache row (float32 or bfloat16) at element i. */
 KVQ_AVX512 __m512 cache16_avx512(const char* row, int dtype, int64_t i) {
@@ -1105,7 +1106,7 @@ KVQ_AVX512 __m512 swiglu16_avx512(__m512 g, __m512 u) {
 
 /* swiglu_avx2 on 16 lanes, op for op (its exp, blend and division): the same
  * floats, twice the inputs per instruction. K % 16 == 0. */
-__attribute__((target("avx2,fma,f16c,avx512f")))
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
 static void swiglu_avx512(const void* row, int xtype, int64_t K, float* out) {
     for (int64_t k = 0; k < K; k += 16)
         _mm512_storeu_ps(out + k, swiglu16_avx512(cache16_avx512(row, xtype, k), cache16_avx512(row, xtype, K + k)));
@@ -1210,7 +1211,7 @@ KVQ_AVX512 void attend_tile_avx512_of(const float* qs, int64_t group, int64_t D,
             }
 }
 
-__attribute__((target("avx2,fma,f16c,avx512f")))
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
 static void attend_tile_avx512(const float* qs, int64_t group, int64_t D, const char* cache, int dtype,
                                int64_t Hkv, int64_t kvh, const int64_t* blocks, int64_t block_size, int64_t p0,
                                int64_t n, softmax_state* st, float* acc) {
@@ -1437,7 +1438,6 @@ static void lora_expand_portable(const uint16_t* b, int64_t rank, const float* s
  * stacks a 64-byte piece per row (A) and 16 short streams (B) at ~14 GB/s,
  * a third of one core's streaming read here (42 GB/s). These tiles read the
  * packed bf16 panels front to back, widened to float32 in registers. */
-#define KVQ_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw"), always_inline)) static inline
 
 KVQ_AVX2 __m256 lora_bf16x8_avx2(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));

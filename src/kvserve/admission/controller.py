@@ -170,6 +170,7 @@ class AdmissionController:
         14 ms a token, then refused a lone 20-token prompt as 0.19 s of
         backlog)."""
         fit = self.step_model.fit()
+        per_token_s: float | None
         if fit is not None and fit.per_prefill_token_s is not None:
             per_token_s = fit.per_prefill_token_s
         else:

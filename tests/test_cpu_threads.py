@@ -112,7 +112,9 @@ def test_kernels_take_torchs_thread_count_from_any_calling_thread():
 def test_a_small_product_wakes_no_helper():
     """A batch-1 decode step's small projections (here 576 x 576, one row:
     207 KB of Q4_1) run on the caller alone: a helper's wake-up costs more
-    than it saves there. A large one (3072 x 576, 8 rows) still uses the pool."""
+    than it saves there. So does any one-row product, however large (the
+    tied LM head's 49,152 x 576 for one sampled row): the other core is the
+    server's. A large one of several rows (3072 x 576, 8 rows) uses the pool."""
     code = """
         import os, time, torch
         from kvserve.model.quantized import QuantizedWeight
@@ -123,6 +125,9 @@ def test_a_small_product_wakes_no_helper():
         small = QuantizedWeight.from_float("q4_1", torch.randn(576, 576))
         for _ in range(20):
             small.matmul(torch.randn(1, 576))
+        head = QuantizedWeight.from_float("q8_0", torch.randn(49152, 576))
+        for _ in range(3):
+            head.matmul(torch.randn(1, 576))
         after_small = helpers()
         QuantizedWeight.from_float("q4_1", torch.randn(3072, 576)).matmul(torch.randn(8, 576))
         deadline = time.monotonic() + 5  # a helper's name can land after the call returns

@@ -276,7 +276,8 @@ class NativeStep:
             num_tokens, hidden, inter, h, hkv, d, first.eps, first.scale, meta.positions.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), block_table.data_ptr(),
             block_table.shape[1], context_lens.data_ptr(), meta.block_size, qkv.data_ptr(),
-            attn.data_ptr(), gate_up.data_ptr(), kernel_threads(), None if lora is None else ctypes.addressof(lora))
+            attn.data_ptr(), gate_up.data_ptr(), kernel_threads(num_tokens),
+            None if lora is None else ctypes.addressof(lora))
         if status != 0:
             raise MemoryError(f"the native decode step could not allocate scratch for {num_tokens} tokens")
         return residual

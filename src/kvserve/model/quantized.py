@@ -89,12 +89,21 @@ def require_kernels() -> ctypes.CDLL:
     return lib
 
 
-def kernel_threads() -> int:
+def kernel_threads(num_rows: int | None = None) -> int:
     """Threads a kernel call may use: torch's intra-op count (`--torch-threads`,
     torch.set_num_threads), read on every call so one setting governs both and
     a call from any thread (the server's engine thread) gets it. The kernels'
     pool never makes the caller wait for a helper that has not started
-    (csrc/kvq_kernels.c), so a count above the free cores degrades gently."""
+    (csrc/kvq_kernels.c), so a count above the free cores degrades gently.
+
+    A call on one activation row (a batch-1 decode step, the LM head of a
+    prompt's last token) runs on the caller alone: it streams the weights,
+    which one core reads nearly as fast as two, and the other core is left
+    to the server's event loop, which streams the tokens meanwhile (served
+    single-stream TPOT p50 1.13x faster, p90 1.23x, than with both threads
+    on the step: benchmarks/served_tpot_ab.py, quiet box, 2026-12-02)."""
+    if num_rows == 1:
+        return 1
     return torch.get_num_threads()
 
 
@@ -216,7 +225,7 @@ class QuantizedWeight:
                                 out.data_ptr(), _ACT_TYPES[out.dtype], out.stride(0),
                                 None if add is None else add.data_ptr(),
                                 0 if add is None else _ACT_TYPES[add.dtype], 0 if add is None else add.stride(0),
-                                kernel_threads())
+                                kernel_threads(m))
         if status != 0:
             raise MemoryError(f"the quantized matmul could not allocate {m} x {k} quantized activations")
         return out

@@ -1443,21 +1443,26 @@ KVQ_AVX2 __m256 lora_bf16x8_avx2(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
-/* 8 columns (c0 .. c0 + 8 of a 16-column tile) of MR <= 4 rows' shrunk values. */
-KVQ_AVX2 void lora_shrink_tile_avx2(const uint16_t* at, int64_t in, const float* xs, float out[4][8], const int MR) {
+/* 8 columns of a panel tile (rows of 16 bf16, `depth` of them) times MR <= 4
+ * rows of src (row r at src + r * stride): out[r][j] = sum over k of
+ * src[r * stride + k] * tile[k][j]. The shrink (x A: depth in, src x) and the
+ * expand ((x A) B: depth rank, src the shrunk values) are both this. */
+KVQ_AVX2 void lora_panel_tile_avx2(const uint16_t* tile, int64_t depth, const float* src, int64_t stride,
+                                   float out[4][8], const int MR) {
     __m256 even[4], odd[4];
     for (int r = 0; r < MR; r++) even[r] = odd[r] = _mm256_setzero_ps();
     int64_t k = 0;
-    for (; k + 1 < in; k += 2) {
-        const __m256 a0 = lora_bf16x8_avx2(at + 16 * k), a1 = lora_bf16x8_avx2(at + 16 * (k + 1));
+    for (; k + 1 < depth; k += 2) {
+        const __m256 t0 = lora_bf16x8_avx2(tile + 16 * k), t1 = lora_bf16x8_avx2(tile + 16 * (k + 1));
         for (int r = 0; r < MR; r++) {
-            even[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + r * in + k), a0, even[r]);
-            odd[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + r * in + k + 1), a1, odd[r]);
+            even[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(src + r * stride + k), t0, even[r]);
+            odd[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(src + r * stride + k + 1), t1, odd[r]);
         }
     }
-    if (k < in) {
-        const __m256 a0 = lora_bf16x8_avx2(at + 16 * k);
-        for (int r = 0; r < MR; r++) even[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + r * in + k), a0, even[r]);
+    if (k < depth) {
+        const __m256 t0 = lora_bf16x8_avx2(tile + 16 * k);
+        for (int r = 0; r < MR; r++)
+            even[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(src + r * stride + k), t0, even[r]);
     }
     for (int r = 0; r < MR; r++) _mm256_storeu_ps(out[r], _mm256_add_ps(even[r], odd[r]));
 }
@@ -1471,35 +1476,14 @@ static void lora_shrink_avx2(const uint16_t* a, int64_t in, int64_t rank, const 
             const uint16_t* at = a + (c / 16) * in * 16 + c % 16;
             const int mr = m - r < 4 ? (int)(m - r) : 4;
             switch (mr) {
-                case 4: lora_shrink_tile_avx2(at, in, xs + r * in, out, 4); break;
-                case 3: lora_shrink_tile_avx2(at, in, xs + r * in, out, 3); break;
-                case 2: lora_shrink_tile_avx2(at, in, xs + r * in, out, 2); break;
-                default: lora_shrink_tile_avx2(at, in, xs + r * in, out, 1); break;
+                case 4: lora_panel_tile_avx2(at, in, xs + r * in, in, out, 4); break;
+                case 3: lora_panel_tile_avx2(at, in, xs + r * in, in, out, 3); break;
+                case 2: lora_panel_tile_avx2(at, in, xs + r * in, in, out, 2); break;
+                default: lora_panel_tile_avx2(at, in, xs + r * in, in, out, 1); break;
             }
             for (int i = 0; i < mr; i++)
                 for (int64_t n = 0; n < 8 && c + n < rank; n++) shrunk[(r + i) * width + c + n] = out[i][n];
         }
-}
-
-/* 8 output columns of MR <= 4 rows' update. */
-KVQ_AVX2 void lora_expand_tile_avx2(const uint16_t* bt, int64_t rank, const float* shrunk, int64_t width,
-                                    float out[4][8], const int MR) {
-    __m256 even[4], odd[4];
-    for (int r = 0; r < MR; r++) even[r] = odd[r] = _mm256_setzero_ps();
-    int64_t c = 0;
-    for (; c + 1 < rank; c += 2) {
-        const __m256 b0 = lora_bf16x8_avx2(bt + 16 * c), b1 = lora_bf16x8_avx2(bt + 16 * (c + 1));
-        for (int r = 0; r < MR; r++) {
-            even[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(shrunk + r * width + c), b0, even[r]);
-            odd[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(shrunk + r * width + c + 1), b1, odd[r]);
-        }
-    }
-    if (c < rank) {
-        const __m256 b0 = lora_bf16x8_avx2(bt + 16 * c);
-        for (int r = 0; r < MR; r++)
-            even[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(shrunk + r * width + c), b0, even[r]);
-    }
-    for (int r = 0; r < MR; r++) _mm256_storeu_ps(out[r], _mm256_add_ps(even[r], odd[r]));
 }
 
 __attribute__((target("avx2,fma,f16c")))
@@ -1511,10 +1495,10 @@ static void lora_expand_avx2(const uint16_t* b, int64_t rank, const float* shrun
             const uint16_t* bt = b + (n / 16) * rank * 16 + n % 16;
             const int mr = m - r < 4 ? (int)(m - r) : 4;
             switch (mr) {
-                case 4: lora_expand_tile_avx2(bt, rank, shrunk + r * width, width, out, 4); break;
-                case 3: lora_expand_tile_avx2(bt, rank, shrunk + r * width, width, out, 3); break;
-                case 2: lora_expand_tile_avx2(bt, rank, shrunk + r * width, width, out, 2); break;
-                default: lora_expand_tile_avx2(bt, rank, shrunk + r * width, width, out, 1); break;
+                case 4: lora_panel_tile_avx2(bt, rank, shrunk + r * width, width, out, 4); break;
+                case 3: lora_panel_tile_avx2(bt, rank, shrunk + r * width, width, out, 3); break;
+                case 2: lora_panel_tile_avx2(bt, rank, shrunk + r * width, width, out, 2); break;
+                default: lora_panel_tile_avx2(bt, rank, shrunk + r * width, width, out, 1); break;
             }
             for (int i = 0; i < mr; i++) {
                 const int64_t at = rows[r + i] * ldy + n0 + n;
@@ -1545,48 +1529,47 @@ KVQ_AVX512 __m256i lora_to_bf16x16_avx512(__m512 v) {
 
 static inline __mmask16 lora_first16(int64_t n) { return n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1); }
 
-/* One 16-column tile of MR <= 8 rows' shrunk values (the segment's rows in one pass: A read once). */
-KVQ_AVX512 void lora_shrink_tile_avx512(const uint16_t* at, int64_t in, const float* xs, int64_t cols, float* out,
-                                        int64_t width, const int MR) {
+/* A 16-column panel tile (rows of 16 bf16, `depth` of them) times MR <= 8
+ * rows of src (row r at src + r * stride): sums[r][j] = sum over k of
+ * src[r * stride + k] * tile[k][j], the shrink's (depth in) and the
+ * expand's (depth rank) product alike. */
+KVQ_AVX512 void lora_panel_sums_avx512(const uint16_t* tile, int64_t depth, const float* src, int64_t stride,
+                                       __m512 sums[KVQ_LORA_SEG_ROWS], const int MR) {
     __m512 even[KVQ_LORA_SEG_ROWS], odd[KVQ_LORA_SEG_ROWS];
     for (int r = 0; r < MR; r++) even[r] = odd[r] = _mm512_setzero_ps();
     int64_t k = 0;
-    for (; k + 1 < in; k += 2) {
-        const __m512 a0 = lora_bf16x16_avx512(at + 16 * k), a1 = lora_bf16x16_avx512(at + 16 * (k + 1));
+    for (; k + 1 < depth; k += 2) {
+        const __m512 t0 = lora_bf16x16_avx512(tile + 16 * k), t1 = lora_bf16x16_avx512(tile + 16 * (k + 1));
         for (int r = 0; r < MR; r++) {
-            even[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * in + k]), a0, even[r]);
-            odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * in + k + 1]), a1, odd[r]);
+            even[r] = _mm512_fmadd_ps(_mm512_set1_ps(src[r * stride + k]), t0, even[r]);
+            odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(src[r * stride + k + 1]), t1, odd[r]);
         }
     }
-    if (k < in) {
-        const __m512 a0 = lora_bf16x16_avx512(at + 16 * k);
-        for (int r = 0; r < MR; r++) even[r] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * in + k]), a0, even[r]);
+    if (k < depth) {
+        const __m512 t0 = lora_bf16x16_avx512(tile + 16 * k);
+        for (int r = 0; r < MR; r++) even[r] = _mm512_fmadd_ps(_mm512_set1_ps(src[r * stride + k]), t0, even[r]);
     }
+    for (int r = 0; r < MR; r++) sums[r] = _mm512_add_ps(even[r], odd[r]);
+}
+
+/* One 16-column tile of MR <= 8 rows' shrunk values (the segment's rows in one pass: A read once). */
+KVQ_AVX512 void lora_shrink_tile_avx512(const uint16_t* at, int64_t in, const float* xs, int64_t cols, float* out,
+                                        int64_t width, const int MR) {
+    __m512 sums[KVQ_LORA_SEG_ROWS];
+    lora_panel_sums_avx512(at, in, xs, in, sums, MR);
     const __mmask16 mask = lora_first16(cols);
-    for (int r = 0; r < MR; r++) _mm512_mask_storeu_ps(out + r * width, mask, _mm512_add_ps(even[r], odd[r]));
+    for (int r = 0; r < MR; r++) _mm512_mask_storeu_ps(out + r * width, mask, sums[r]);
 }
 
 /* One 16-column tile of MR <= 8 rows' update, added into y. */
 KVQ_AVX512 void lora_expand_tile_avx512(const uint16_t* bt, int64_t rank, const float* shrunk, int64_t width,
                                         int64_t cols, const int64_t* rows, void* y, int ytype, int64_t ldy,
                                         int64_t n, const int MR) {
-    __m512 even[KVQ_LORA_SEG_ROWS], odd[KVQ_LORA_SEG_ROWS];
-    for (int r = 0; r < MR; r++) even[r] = odd[r] = _mm512_setzero_ps();
-    int64_t c = 0;
-    for (; c + 1 < rank; c += 2) {
-        const __m512 b0 = lora_bf16x16_avx512(bt + 16 * c), b1 = lora_bf16x16_avx512(bt + 16 * (c + 1));
-        for (int r = 0; r < MR; r++) {
-            even[r] = _mm512_fmadd_ps(_mm512_set1_ps(shrunk[r * width + c]), b0, even[r]);
-            odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(shrunk[r * width + c + 1]), b1, odd[r]);
-        }
-    }
-    if (c < rank) {
-        const __m512 b0 = lora_bf16x16_avx512(bt + 16 * c);
-        for (int r = 0; r < MR; r++) even[r] = _mm512_fmadd_ps(_mm512_set1_ps(shrunk[r * width + c]), b0, even[r]);
-    }
+    __m512 sums[KVQ_LORA_SEG_ROWS];
+    lora_panel_sums_avx512(bt, rank, shrunk, width, sums, MR);
     const __mmask16 mask = lora_first16(cols);
     for (int r = 0; r < MR; r++) {
-        const __m512 sum = _mm512_add_ps(even[r], odd[r]);
+        const __m512 sum = sums[r];
         const int64_t at = rows[r] * ldy + n;
         if (ytype == KVQ_F32) {
             float* yr = (float*)y + at;

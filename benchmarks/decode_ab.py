@@ -20,26 +20,20 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tree_ab import default_model_core, start_worker, timed_decode_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def worker(threads: int, prompt_tokens: int) -> int:
     """Reads "batch steps" lines on stdin, answers each with the step times (s)."""
-    import torch
-
     from kvserve.contract import SamplingParams
-    from kvserve.engine.core import EngineConfig, EngineCore
-    from kvserve.model.loader import load_model
 
-    torch.set_num_threads(threads)
-    loaded = load_model(None, quantization="auto")
-    core = EngineCore(loaded.config, loaded.weights, loaded.tokenizer,
-                      EngineConfig(quantization="auto", device="cpu", kv_cache_memory_bytes=2**30))
+    core = default_model_core(threads)
     print("ready", flush=True)
     for serial, line in enumerate(sys.stdin):
         batch, num_steps = map(int, line.split())
@@ -49,25 +43,8 @@ def worker(threads: int, prompt_tokens: int) -> int:
             prompt = [1000 + serial * 64 + i] + [(100 + 37 * i + 11 * j) % 40_000 + 100
                                                  for j in range(prompt_tokens - 1)]
             requests.append(core.new_request(prompt, params))
-            core.add_request(requests[-1])
-        while any(r.num_output_tokens == 0 for r in requests):
-            core.step()
-        steps = []
-        while core.has_unfinished():
-            t0 = time.perf_counter()
-            core.step()
-            steps.append(time.perf_counter() - t0)
-        print(json.dumps(steps), flush=True)
+        print(json.dumps(timed_decode_steps(core, requests)), flush=True)
     return 0
-
-
-def start(tree: Path, threads: int, prompt_tokens: int) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(tree / "src"))
-    proc = subprocess.Popen([sys.executable, __file__, "--worker", "--threads", str(threads),
-                             "--prompt-tokens", str(prompt_tokens)], env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(tree))
-    assert proc.stdout.readline().strip() == "ready", f"the worker for {tree} did not start"
-    return proc
 
 
 def main() -> int:
@@ -87,7 +64,8 @@ def main() -> int:
     if not args.old:
         parser.error("--old is required")
     trees = {"old": Path(args.old).resolve(), "new": Path(args.new).resolve()}
-    workers = {name: start(tree, args.threads, args.prompt_tokens) for name, tree in trees.items()}
+    workers = {name: start_worker(__file__, tree, "--threads", str(args.threads), "--prompt-tokens",
+                                  str(args.prompt_tokens)) for name, tree in trees.items()}
     steps: dict[tuple[str, int], list[float]] = {(name, b): [] for name in trees for b in args.batches}
     load_before = os.getloadavg()
     try:

@@ -21,10 +21,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tree_ab import default_model_core, start_worker, timed_decode_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,16 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def worker(threads: int) -> int:
     """Reads prompt lengths on stdin, answers each with its TTFT in seconds; a
     negative length -n: the median of n decode steps after a 128-token prompt."""
-    import torch
-
     from kvserve.contract import SamplingParams
-    from kvserve.engine.core import EngineConfig, EngineCore
-    from kvserve.model.loader import load_model
 
-    torch.set_num_threads(threads)
-    loaded = load_model(None, quantization="auto")
-    core = EngineCore(loaded.config, loaded.weights, loaded.tokenizer,
-                      EngineConfig(quantization="auto", device="cpu", kv_cache_memory_bytes=2**30))
+    core = default_model_core(threads)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     print("ready", flush=True)
     for serial, line in enumerate(sys.stdin):
@@ -50,15 +44,7 @@ def worker(threads: int) -> int:
             prompt = [1000 + serial] + [(100 + 37 * serial + 11 * j) % 40_000 + 100 for j in range(127)]
             request = core.new_request(prompt, SamplingParams(max_tokens=1 - length, temperature=0.0,
                                                               ignore_eos=True))
-            core.add_request(request)
-            while request.num_output_tokens == 0:
-                core.step()
-            steps = []
-            while core.has_unfinished():
-                t0 = time.perf_counter()
-                core.step()
-                steps.append(time.perf_counter() - t0)
-            print(json.dumps(statistics.median(steps)), flush=True)
+            print(json.dumps(statistics.median(timed_decode_steps(core, [request]))), flush=True)
             continue
         prompt = [1000 + serial] + [(100 + 37 * serial + 11 * j) % 40_000 + 100 for j in range(length - 1)]
         t0 = time.perf_counter()
@@ -71,14 +57,6 @@ def worker(threads: int) -> int:
             core.step()
         print(json.dumps(ttft), flush=True)
     return 0
-
-
-def start(tree: Path, threads: int) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(tree / "src"))
-    proc = subprocess.Popen([sys.executable, __file__, "--worker", "--threads", str(threads)], env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(tree))
-    assert proc.stdout.readline().strip() == "ready", f"the worker for {tree} did not start"
-    return proc
 
 
 def main() -> int:
@@ -97,7 +75,7 @@ def main() -> int:
     if not args.old:
         parser.error("--old is required")
     trees = {"old": Path(args.old).resolve(), "new": Path(args.new).resolve()}
-    workers = {name: start(tree, args.threads) for name, tree in trees.items()}
+    workers = {name: start_worker(__file__, tree, "--threads", str(args.threads)) for name, tree in trees.items()}
     lengths = list(args.prompts) + ([-args.decode_steps] if args.decode_steps else [])
     ttft = {(name, length): [] for name in trees for length in lengths}  # seconds; < 0: decode steps
     try:

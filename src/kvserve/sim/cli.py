@@ -179,7 +179,7 @@ def cost_model_and_num_blocks(args: argparse.Namespace, spec: ModelSpec) -> tupl
     model = RooflineCostModel(spec.config, hardware, weights / max(1, spec.config.num_parameters()),
                               dtype_bytes(args.kv_dtype), args.compute_efficiency,
                               args.bandwidth_efficiency, args.step_overhead_ms / 1000.0)
-    draft = draft_footprint(getattr(args, "speculative_config", None), args.dtype, args.kv_dtype)
+    draft = draft_footprint(args.speculative_config, args.dtype, args.kv_dtype)
     kv_bytes = parse_size(args.kv_cache_memory) if args.kv_cache_memory else \
         _kv_bytes_from_memory(args, hardware, weights + (0 if draft is None else draft.weight_bytes))
     draft_bytes_per_block = 0 if draft is None else draft.kv_bytes_per_token * args.block_size

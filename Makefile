@@ -48,8 +48,13 @@ test: install
 test-slow: install
 	$(BIN)/python -m pytest -m slow $(ARGS)
 
+# Every benchmark that stands alone, with its defaults (hours in all). Left
+# out: the A/B tools (*_ab.py, ab_server.py: they compare against a tree,
+# build or commit named by a flag), vs_peers.py (needs the peers of ../shared/anchors installed) and
+# shape_twin.py (writes a model folder; a tool, not a benchmark).
 bench: install
-	for script in benchmarks/*.py; do $(BIN)/python $$script || exit 1; done
+	for script in $(filter-out benchmarks/%_ab.py benchmarks/ab_server.py benchmarks/vs_peers.py benchmarks/shape_twin.py,$(wildcard benchmarks/*.py)); do \
+		$(BIN)/python $$script || exit 1; done
 
 # The optional compiled core (src/kvserve/compiled/): the scheduler, KV cache
 # and simulator built in place by mypyc: `kvserve simulate` about 2x faster.

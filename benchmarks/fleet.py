@@ -194,9 +194,12 @@ def tiny_model(workdir: Path) -> tuple[list[str], str]:
 
     folder = random_model_folder(workdir / "tiny-llama", hidden=256, layers=4)
     profile = workdir / "tiny-profile.json"
+    # Profiled with the replicas' own flags (one torch thread each): a step
+    # profiled on two threads is not the step the replicas run.
     subprocess.run(kvserve("profile", "--model", str(folder), "--kv-cache-memory", PARTS["tiny"]["kv"],
                            "--max-num-seqs", "32", "--max-num-batched-tokens", "1024", "--time-budget", "90",
-                           "--out", str(profile)), cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+                           *PARTS["tiny"]["serve"], "--out", str(profile)),
+                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     return ["--model", str(folder)], str(profile)
 
 

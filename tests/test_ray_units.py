@@ -55,6 +55,31 @@ def test_views_take_a_stats_number_once_and_forget_gone_replicas():
     assert views.views == {}
 
 
+def test_a_replica_ray_takes_out_of_the_running_set_is_stopping_until_forgotten():
+    from kvserve.ray.views import STOPPING_KEPT_S
+
+    clock = _Clock()
+    views = ReplicaViews(clock)
+    for name in ("a", "b"):
+        views.refresh(name, _stats(1, running=1))
+    views.forget_except({"a", "b"})
+    assert not views.is_stopping("a") and not views.is_stopping("b")
+    assert not views.is_stopping("new")  # not in any set yet: starting, not stopping
+    views.forget_except({"a"})  # Ray's broadcast after it stopped "b"
+    assert views.is_stopping("b") and not views.is_stopping("a")
+    clock.now = STOPPING_KEPT_S / 2
+    views.forget_except({"a"})
+    assert views.is_stopping("b")  # still asked about while Ray drains it
+    views.refresh("c", _stats(1, running=0))
+    views.forget_except({"a"})  # a broadcast without "c" ...
+    assert views.is_stopping("c")
+    views.refresh("c", _stats(2, running=0))  # ... and one with it again: running, not stopping
+    assert not views.is_stopping("c")
+    clock.now = STOPPING_KEPT_S + 1
+    views.forget_except({"a"})
+    assert not views.is_stopping("b")  # long gone: forgotten
+
+
 def test_a_request_for_the_base_model_keys_alike_named_or_not_and_an_adapter_apart():
     # The prefix-affinity key names the model state the request runs under:
     # "model": "smollm2", no "model" at all, and a replica that has not
@@ -264,14 +289,17 @@ def test_the_ingress_refuses_before_any_replica_past_the_configured_queue_wait(m
         assert response.status_code == 200 and len(handle.sent) == 1
 
 
+DRAINING = "draining"
+
+
 class _TwoReplicas(_HandleCalls):
     """The model deployment's handle over replicas "a" then "b", each
     answering 200 or 429 with its Retry-After; a send goes to the first
     replica the request does not exclude (what kvserve's router does with
     `exclude`), so the first send always reaches "a"."""
 
-    def __init__(self, retry_after_s: dict[str, int | None]) -> None:
-        self.retry_after_s = retry_after_s  # None: it answers 200
+    def __init__(self, retry_after_s: dict[str, int | str | None]) -> None:
+        self.retry_after_s = retry_after_s  # None: it answers 200; DRAINING: 503 shutting_down
         self.sent: list[tuple[str, ForwardedRequest]] = []
 
     def remote(self, forwarded: ForwardedRequest):
@@ -282,6 +310,11 @@ class _TwoReplicas(_HandleCalls):
         if retry_after is None:
             return _Answer([ResponseStart(200, ((b"content-type", b"application/json"), replica)),
                             b'{"usage": {"total_tokens": 3}}'])
+        if retry_after == DRAINING:
+            error = {"error": {"message": "the server is shutting down", "type": "unavailable",
+                               "code": "shutting_down", "param": None}}
+            return _Answer([ResponseStart(503, ((b"content-type", b"application/json"), replica,
+                                                (b"retry-after", b"3"))), json.dumps(error).encode()])
         error = {"error": {"message": "full", "type": "rate_limit_error", "code": "queue_full", "param": None}}
         return _Answer([ResponseStart(429, ((b"content-type", b"application/json"), replica,
                                             (b"retry-after", str(retry_after).encode()))), json.dumps(error).encode()])
@@ -324,6 +357,42 @@ def test_both_replicas_full_give_one_429_with_the_soonest_retry_after():
     assert [name for name, _ in handle.sent] == ["a", "b"]  # each asked once
     assert _metric(ingress, "kvserve_ray_admission_rejections_total", {"reason": "queue_full"}) == 1
     assert not ingress.quotas._in_flight  # its fleet slot is given back
+
+
+def test_a_draining_replicas_503_is_sent_to_the_other_and_relayed_when_none_is_left():
+    handle = _TwoReplicas({"a": DRAINING, "b": None})
+    ingress = _ingress_over(handle)
+    response = _post(ingress, {"model": "m", "prompt": "hello", "max_tokens": 16})
+    assert response.status_code == 200 and response.headers["x-kvserve-replica"] == "b"
+    assert [name for name, _ in handle.sent] == ["a", "b"]
+    assert _metric(ingress, "kvserve_ray_retries_total", {"reason": "replica_draining"}) == 1
+
+    handle = _TwoReplicas({"a": DRAINING, "b": DRAINING})
+    ingress = _ingress_over(handle)
+    response = _post(ingress, {"model": "m", "prompt": "hello", "max_tokens": 16})
+    error = json.loads(response.body)["error"]
+    assert (response.status_code, error["code"], response.headers["retry-after"]) == (503, "shutting_down", "3")
+    assert [name for name, _ in handle.sent] == ["a", "b"]  # each asked once
+    assert not ingress.quotas._in_flight
+
+
+def test_the_ingress_tells_a_replica_whether_ray_is_stopping_it():
+    ingress = _ingress_over(_TwoReplicas({"a": None, "b": None}))
+    ingress.replicas.forget_except({"a"})  # Ray stopped "b"
+    assert asyncio.run(ingress.replica_stopping("b")) is True
+    assert asyncio.run(ingress.replica_stopping("a")) is False
+
+
+def test_ray_lets_a_stopping_replica_run_past_its_grace_and_the_period_it_takes_to_learn_it():
+    from kvserve.ray_app import build_app
+
+    app = build_app({"model": "/m", "num_replicas": 1, "shutdown_grace": "12", "stats_period": "3"})
+    model = app._bound_deployment.init_args[0]._bound_deployment
+    replica_timeout_s = model._deployment_config.graceful_shutdown_timeout_s
+    assert replica_timeout_s > 12 + 3  # the notice takes up to a period, the grace runs from it
+    assert app._bound_deployment._deployment_config.graceful_shutdown_timeout_s > replica_timeout_s
+    assert model.init_args[2:] == ("Ingress", 3.0)  # the deployment each replica asks, every period
+    assert app._bound_deployment.name == "Ingress"
 
 
 def test_the_ingress_keys_one_prompt_apart_under_each_adapter_for_prefix_affinity():

@@ -17,8 +17,11 @@ from kvserve.fleet.autoscale import AutoscaleConfig
 # (nearly) all it is sent and its own admission refuses with 429.
 MAX_ONGOING_REQUESTS = 100_000
 MODEL_DEPLOYMENT = "kvserve-model"
-# Past a replica's own grace (it aborts what is left at --shutdown-grace, told by
-# `kvserve ray` before the delete): Ray's kill never cuts the aborts' last chunks.
+# The name Ray gives it by default (its class's), spelt out: replicas ask it whether Ray is stopping them.
+INGRESS_DEPLOYMENT = "Ingress"
+# Past a replica's own grace and the stats period it takes to learn Ray is
+# stopping it (or at once: told by `kvserve ray` before the delete; it aborts
+# what is left at --shutdown-grace): Ray's kill never cuts the aborts' last chunks.
 REPLICA_EXTRA_GRACE_S = 2.0
 # Past the replicas' graceful shutdown: a stream cut at their grace still ends cleanly.
 INGRESS_EXTRA_GRACE_S = 5.0
@@ -43,7 +46,7 @@ def application(args: argparse.Namespace):
     period_s = args.stats_period
     options: dict = {
         "name": MODEL_DEPLOYMENT, "max_ongoing_requests": MAX_ONGOING_REQUESTS,
-        "graceful_shutdown_timeout_s": args.shutdown_grace + REPLICA_EXTRA_GRACE_S,
+        "graceful_shutdown_timeout_s": replica_graceful_timeout_s(args),
         "graceful_shutdown_wait_loop_s": min(1.0, period_s),
         "ray_actor_options": {"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus,
                               "runtime_env": {"env_vars": _metric_push_env(period_s)}},
@@ -61,18 +64,25 @@ def application(args: argparse.Namespace):
             # Ray applies these to a custom policy's answer too: neutral, the rule has its own delay.
             upscale_delay_s=0.0, downscale_delay_s=0.0, upscaling_factor=1.0, downscaling_factor=1.0,
             policy=AutoscalingPolicy(policy_function=KVServeAutoscalingPolicy, policy_kwargs=fields))
-    model = serve.deployment(ModelReplica).options(**options).bind(_serve_args(args), scaling.look_back_s)
+    model = serve.deployment(ModelReplica).options(**options).bind(_serve_args(args), scaling.look_back_s,
+                                                                  INGRESS_DEPLOYMENT, period_s)
     ingress_config = {"deployment_name": MODEL_DEPLOYMENT, "api_keys_path": args.api_keys,
                       "retry_budget": args.retry_budget, "admission": flags.admission_config(args),
                       "router_policy": args.router,
                       "warm_pool": dataclasses.asdict(scaling) if args.sleep_idle else None,
                       "warm_pool_interval_s": period_s}
     # The ingress outlives its replicas' grace: it relays the end of their streams.
-    ingress_grace_s = args.shutdown_grace + REPLICA_EXTRA_GRACE_S + INGRESS_EXTRA_GRACE_S
-    return Ingress.options(num_replicas=1, max_ongoing_requests=MAX_ONGOING_REQUESTS,
+    ingress_grace_s = replica_graceful_timeout_s(args) + INGRESS_EXTRA_GRACE_S
+    return Ingress.options(name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=MAX_ONGOING_REQUESTS,
                            graceful_shutdown_timeout_s=ingress_grace_s,
                            graceful_shutdown_wait_loop_s=0.5,
                            ray_actor_options={"num_cpus": 0}).bind(model, ingress_config)
+
+
+def replica_graceful_timeout_s(args: argparse.Namespace) -> float:
+    """How long Ray lets a stopping model replica run: its shutdown grace,
+    after the stats period it may take to learn it is stopping, and a margin."""
+    return args.shutdown_grace + args.stats_period + REPLICA_EXTRA_GRACE_S
 
 
 def _serve_args(args: argparse.Namespace) -> dict:

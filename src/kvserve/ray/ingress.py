@@ -14,7 +14,15 @@ deployment, applying the gateway's fleet admission once for every replica:
 A replica that dies before its answer starts (Ray reports the actor dead)
 is dropped by Ray's router and the request is sent again, to another; a
 stream already under way ends with a clean error event. A client that
-leaves cancels the replica's call, which aborts the request there.
+leaves cancels the replica's call, which aborts the request there. A
+replica that answers 503 "shutting_down" (its drain began after the request
+was routed there; it never started it) has the request sent to another.
+
+Scale-down: Ray takes a replica it stops out of the running set it
+broadcasts to the router, and never tells the replica's own code until its
+requests are over (see kvserve.ray.replica). Each model replica asks the
+ingress every stats period (`replica_stopping`) whether the router's set
+still holds it; when it does not, the replica drains.
 
 A warm pool (`warm_pool` set): every interval the ingress runs
 `fleet.autoscale.decide` over the signals the replicas record (the ones
@@ -62,6 +70,8 @@ log = logging.getLogger("ray.serve." + __name__)
 
 # Sends of one request: the first and, after replicas died under it, others.
 MAX_ATTEMPTS = 3
+# A replica's 503 code while it drains (kvserve serve's at its shutdown).
+DRAINING_CODE = "shutting_down"
 _REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
 
 
@@ -145,6 +155,25 @@ def _tokens_of(body: bytes) -> int | None:
     return usage_tokens(usage if isinstance(usage, dict) else None)
 
 
+class _AlreadyRead:
+    """A body already read, as the replica's stream it came from (the relay
+    reads it again; cancel is a no-op: the replica's call has ended)."""
+
+    def __init__(self, body: bytes) -> None:
+        self._chunks = [body] if body else []
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> bytes:
+        if not self._chunks:
+            raise StopAsyncIteration
+        return self._chunks.pop()
+
+    def cancel(self) -> None:
+        pass
+
+
 def _stream_usage(chunk: bytes) -> int | None:
     """Total tokens from a usage chunk (stream_options.include_usage)."""
     if b'"usage"' not in chunk:
@@ -209,6 +238,13 @@ class Ingress:
         self.metrics.refresh(self.replicas)
         fleet = replica_series(self.replicas.series)
         return Response(generate_latest(self.metrics.registry) + fleet, media_type=CONTENT_TYPE_LATEST)
+
+    # ---- replica control (handle calls, no route) ---------------------------
+    async def replica_stopping(self, replica_id: str) -> bool:
+        """Whether Ray took this model replica out of the running set it
+        broadcasts to this ingress's router (it is stopping it: a scale-down,
+        an upgrade; or it died). Each replica asks every stats period."""
+        return self.replicas.is_stopping(replica_id)
 
     # ---- requests ----------------------------------------------------------
     async def _guarded(self, call) -> Response:
@@ -301,15 +337,24 @@ class Ingress:
 
     async def _send_admitted(self, forwarded: ForwardedRequest):
         """_send, and a replica's 429 (its own admission refused the request
-        before starting it) sent to one other replica as the gateway does."""
+        before starting it) sent to one other replica as the gateway does;
+        a replica's 503 "shutting_down" (draining: it did not start it) sent
+        to each other eligible replica in turn."""
         full = FullAnswers()
         while True:
             stream, start = await self._send(forwarded)
-            if start.status != 429:
+            if start.status not in (429, 503):
                 return stream, start
             body = b"".join([chunk async for chunk in stream])
+            replica = start.header(REPLICA_HEADER.decode())
+            tried = forwarded.exclude | {replica or ""}
+            if start.status == 503:
+                if error_code(body) != DRAINING_CODE or replica is None or not self._eligible(tried):
+                    return _AlreadyRead(body), start
+                self.metrics.retries.labels("replica_draining").inc()
+                forwarded = dataclasses.replace(forwarded, exclude=tried)
+                continue
             full.record(retry_after_s(start.header("retry-after")), error_code(body))
-            tried = forwarded.exclude | {start.header(REPLICA_HEADER.decode()) or ""}
             left = self._eligible(tried)
             if not full.may_try_another(len(left), self.quotas):
                 saturated = full.saturated(left)

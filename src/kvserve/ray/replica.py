@@ -15,14 +15,37 @@ What it records for Ray Serve:
 
 Sleep and wake go through the same app (`POST /sleep?level=N`,
 `POST /wake_up`, `GET /is_sleeping`), so a replica sleeps as a server does.
-Ray drains a replica it stops (no new requests, the ones in flight get
-`graceful_shutdown_timeout_s`, then the actor is killed) and calls
-`__del__` only once none is left, so the replica would never learn that a
-drain began, and a stream still running at the kill would be cut. `kvserve
-ray` therefore calls `begin_drain` on every replica before it deletes the
-application: the replica drains as `kvserve serve` does at its own
-shutdown grace, ending what is still running as finish_reason "abort";
-then `__del__` stops the engine.
+
+How Ray Serve 2.60 stops a replica (a scale-down, an upgrade, the
+application's delete; read from ray/serve/_private/deployment_state.py and
+replica.py): the controller picks the replica (on a scale-down: one not
+running yet, else one off the head node, on the node with fewest replicas,
+the newest), moves it to STOPPING and calls its actor's
+`perform_graceful_shutdown` in the same control-loop step, in which it also
+broadcasts the running set without it, so routers stop choosing it within
+moments. The actor then waits, every `graceful_shutdown_wait_loop_s`, for
+its ongoing requests to end, calls the user's `__del__` only once none is
+left, and the controller kills it `graceful_shutdown_timeout_s` after the
+stop whatever is still running. No public hook tells the user's code that
+the wait began: a stream longer than the timeout is cut by the kill (an
+error event at the client), and the engine never stops admitting.
+
+What kvserve adds: the replica drains as `kvserve serve` does at its own
+shutdown (`begin_drain`: it stops admitting, 503 "shutting_down", /ready
+and its routing stats say not ready; requests in flight get the shutdown
+grace to finish, then what is still running ends as finish_reason "abort",
+then [DONE]), told in one of two ways:
+- a stop Ray decides (scale-down, upgrade): kvserve's router in the ingress
+  sees the replica leave Ray's running set (`RequestRouter.update_replicas`,
+  public), and the replica, asking the ingress every stats period
+  (`Ingress.replica_stopping`), learns it within a period;
+- `kvserve ray`'s shutdown: the command calls `begin_drain` on every
+  replica before it deletes the application.
+Ray's graceful timeout is set past the grace plus that period
+(kvserve.ray.app), so the kill comes after the aborts' last chunks; then
+`__del__` stops the engine. A replica that drained while Ray still counts
+it running (a notice Ray did not follow) fails its health check, so Ray
+replaces it rather than keep one that refuses everything.
 """
 
 from __future__ import annotations
@@ -43,6 +66,9 @@ from kvserve.startup import StartupPhases
 
 # Under "ray.serve": Ray Serve sends its loggers to the replica logs.
 log = logging.getLogger("ray.serve." + __name__)
+
+# For the ingress's answer to "is Ray stopping me?" (a loaded ingress answers in well under that).
+STOP_ASK_TIMEOUT_S = 10.0
 
 QUEUE_TIME_METRIC = "vllm:request_queue_time_seconds"
 
@@ -94,9 +120,12 @@ def histogram_buckets(registry, name: str) -> list[tuple[float, float]]:
 class ModelReplica:
     """One kvserve engine behind a Ray Serve replica. `serve_args`: the
     `kvserve serve` flags as a dict (argparse's namespace, e.g. from
-    `kvserve ray`), passed to every replica."""
+    `kvserve ray`), passed to every replica. `ingress_deployment`: the
+    deployment it asks, every `stop_poll_s`, whether Ray is stopping it
+    (None: it is only told by `begin_drain`)."""
 
-    async def __init__(self, serve_args: dict, look_back_s: float = 10.0) -> None:
+    async def __init__(self, serve_args: dict, look_back_s: float = 10.0, ingress_deployment: str | None = None,
+                       stop_poll_s: float = 1.0) -> None:
         phases = StartupPhases()
         self.replica_id = _replica_id()
         with phases.phase("imports"):
@@ -120,6 +149,26 @@ class ModelReplica:
         # From the process's start (Ray's worker start and imports included) to ready.
         phases.record("process_start_to_ready", time.time() - _process_start_time())
         log.info("replica %s ready: %s", self.replica_id, phases.summary())
+        ingress = _deployment_handle(ingress_deployment) if ingress_deployment else None
+        self._stop_watch = None if ingress is None else asyncio.get_running_loop().create_task(
+            self._watch_for_stop(ingress, stop_poll_s))
+
+    async def _watch_for_stop(self, ingress, period_s: float) -> None:
+        """Until a drain began: ask the ingress every period whether Ray took
+        this replica out of its running set; when it did, drain."""
+        while self._drain is None:
+            await asyncio.sleep(period_s)
+            response = ingress.replica_stopping.remote(self.replica_id)
+            try:
+                stopping = await asyncio.wait_for(response, STOP_ASK_TIMEOUT_S)
+            except Exception as exc:  # the ingress restarting, or gone with the application: ask again
+                response.cancel()
+                log.debug("replica %s: the ingress did not say whether it is stopping: %r", self.replica_id, exc)
+                continue
+            if stopping and self._drain is None:
+                log.info("replica %s: Ray is stopping it; draining (grace %.1f s)", self.replica_id,
+                         self.serving.config.shutdown_grace_s)
+                await self.begin_drain()
 
     async def handle_http(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         """The app's answer to one forwarded request: a ResponseStart (with
@@ -149,9 +198,13 @@ class ModelReplica:
         return signals_of(self._view, self._queue_wait.p95_s(), self.serving.sleep_level > 0)
 
     def check_health(self) -> None:
-        """Ray restarts a replica whose engine died (a sleeping one is healthy)."""
+        """Ray restarts a replica whose engine died (a sleeping one is
+        healthy), and one that drained while Ray still runs it: Ray checks
+        only the replicas in its running set, which a stopping one has left."""
         if self.serving.engine.dead is not None:
             raise RuntimeError(f"engine failed: {self.serving.engine.dead}")
+        if self._drain is not None and self._drain.done():
+            raise RuntimeError("drained (told Ray was stopping it), yet Ray still runs it")
 
     async def begin_drain(self) -> None:
         """Stop admitting (503, /ready false) and give the requests in
@@ -164,6 +217,8 @@ class ModelReplica:
 
     async def __del__(self) -> None:
         # Ray has drained its own requests by now; finish or abort what is left, then stop.
+        if self._stop_watch is not None:
+            self._stop_watch.cancel()
         await self.begin_drain()
         await self._drain
         await self.serving.stop()
@@ -173,6 +228,22 @@ def _process_start_time() -> float:
     import psutil  # a dependency of Ray's
 
     return psutil.Process().create_time()
+
+
+def _deployment_handle(deployment: str):
+    """A handle to a deployment of this replica's application; None outside a Ray replica (tests)."""
+    try:
+        from ray import serve
+
+        app_name = serve.get_replica_context().app_name
+    except Exception:  # outside a Ray replica
+        return None
+    try:
+        return serve.get_deployment_handle(deployment, app_name)
+    except Exception as exc:
+        log.warning("no handle to deployment %s (%r): a stop Ray decides will cut this replica's streams",
+                    deployment, exc)
+        return None
 
 
 def _replica_id() -> str:

@@ -2,7 +2,9 @@
 `gateway.backends.BackendView` per Ray replica, refreshed from the routing
 stats the replica records (`ModelReplica.record_routing_stats`), plus its
 sleep level. The router (kvserve.ray.router) fills and ranks them; the
-ingress reads the same ones for its fleet admission and warm pool.
+ingress reads the same ones for its fleet admission and warm pool, and
+answers from them a replica asking whether Ray is stopping it (`stopping`:
+taken out of the running set Ray broadcasts to the router).
 
 Its own module, imported by reference: Ray pickles a request router's
 module by value (a copy of its globals per unpickling), so a registry kept
@@ -19,6 +21,11 @@ from kvserve.fleet.router import RouteRequest, Router
 from kvserve.gateway.backends import BackendView, Scrape
 from kvserve.gateway.config import BackendConfig, BreakerConfig
 
+# How long a replica Ray took out of the running set is remembered as
+# stopping: it asks every stats period, so it learns within seconds; past
+# Ray's graceful timeout it is gone, and the entry only costs memory.
+STOPPING_KEPT_S = 600.0
+
 
 class ReplicaViews:
     """BackendViews of Ray replicas, refreshed from their routing stats.
@@ -33,8 +40,11 @@ class ReplicaViews:
         self.signals: dict[str, ReplicaSignals] = {}  # per replica: what it records for the autoscaler
         self.series: dict[str, str] = {}  # per replica: its vllm:* series (exposition text)
         self.models: dict[str, str] = {}  # per replica: the base model's served name
+        # Replicas Ray took out of the running set (stopping, or dead), and when.
+        self.stopping: dict[str, float] = {}
 
     def refresh(self, replica_id: str, stats: dict | None) -> BackendView:
+        self.stopping.pop(replica_id, None)  # in the running set again
         view = self.views.get(replica_id)
         stats = stats or {}
         if view is None or (view.config.num_kv_blocks is None and stats.get("num_kv_blocks")):
@@ -55,7 +65,13 @@ class ReplicaViews:
         return view
 
     def forget_except(self, replica_ids: set[str]) -> None:
+        """Ray's running set is now `replica_ids`: a replica seen before and
+        not in it is stopping (Ray takes a replica it stops, on a scale-down
+        or an upgrade, out of the set at once) or dead."""
+        now = self.clock()
+        self.stopping = {i: since for i, since in self.stopping.items() if now - since < STOPPING_KEPT_S}
         for gone in set(self.views) - replica_ids:
+            self.stopping[gone] = now
             del self.views[gone]
             self._numbers.pop(gone, None)
             self.sleeping.pop(gone, None)
@@ -63,6 +79,9 @@ class ReplicaViews:
             self.signals.pop(gone, None)
             self.series.pop(gone, None)
             self.models.pop(gone, None)
+
+    def is_stopping(self, replica_id: str) -> bool:
+        return replica_id in self.stopping
 
     def state_name(self, requested_model: str | None) -> str:
         """The model state a request with this `model` runs under, for its

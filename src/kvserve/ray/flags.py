@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ray.add_argument("--router", default="kv-aware", choices=ROUTERS, help="kvserve's routing policy")
     flags.add_autoscale_arguments(ray)
     ray.add_argument("--stats-period", type=float, default=1.0,
-                     help="how often replicas record routing and autoscaling stats (seconds)")
+                     help="how often replicas record routing and autoscaling stats and ask the ingress "
+                          "whether Ray is stopping them (seconds)")
     ray.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs each replica reserves (CPUs)")
     ray.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs each replica reserves (GPUs)")
     ray.add_argument("--app-name", default="kvserve", help="the Ray Serve application's name")

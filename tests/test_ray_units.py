@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import json
 import time
+import types
 
 import pytest
 
@@ -381,6 +382,64 @@ def test_the_ingress_tells_a_replica_whether_ray_is_stopping_it():
     ingress.replicas.forget_except({"a"})  # Ray stopped "b"
     assert asyncio.run(ingress.replica_stopping("b")) is True
     assert asyncio.run(ingress.replica_stopping("a")) is False
+
+
+class _Reply:
+    """A handle call's response: awaited for its value (or its error)."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def __await__(self):
+        if isinstance(self.value, Exception):
+            raise self.value
+        return self.value
+        yield  # a generator: awaitable
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_replica_drains_once_the_ingress_says_ray_is_stopping_it_asking_again_after_a_failure():
+    from kvserve.ray.replica import ModelReplica
+
+    class _Serving:
+        config = types.SimpleNamespace(shutdown_grace_s=7.0)
+        engine = types.SimpleNamespace(dead=None)
+
+        def __init__(self) -> None:
+            self.drains: list[float] = []
+            self.in_flight_done = asyncio.Event()
+
+        async def drain(self, grace_s: float) -> None:
+            self.drains.append(grace_s)
+            await self.in_flight_done.wait()
+
+    class _EngineFree(ModelReplica):
+        def __del__(self) -> None:  # Ray awaits the real one; here nothing was started
+            pass
+
+    answers = iter([RuntimeError("the ingress is restarting"), False, True])
+    asked: list[str] = []
+
+    def remote(replica_id: str) -> _Reply:
+        asked.append(replica_id)
+        return _Reply(next(answers))
+
+    ingress = types.SimpleNamespace(replica_stopping=types.SimpleNamespace(remote=remote))
+    replica = _EngineFree.__new__(_EngineFree)  # no __init__: no engine
+    replica.replica_id, replica.serving, replica._drain = "r1", _Serving(), None
+
+    async def watch() -> None:
+        await asyncio.wait_for(replica._watch_for_stop(ingress, 0.01), timeout=10)
+        replica.check_health()  # draining, its requests not done yet: healthy
+        replica.serving.in_flight_done.set()
+        await replica._drain
+
+    asyncio.run(watch())
+    assert asked == ["r1"] * 3 and replica.serving.drains == [7.0]  # the shutdown grace
+    with pytest.raises(RuntimeError, match="drained"):  # Ray still health-checks it: not stopping after all
+        replica.check_health()
 
 
 def test_ray_lets_a_stopping_replica_run_past_its_grace_and_the_period_it_takes_to_learn_it():

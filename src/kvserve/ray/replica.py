@@ -145,13 +145,15 @@ class ModelReplica:
         self._queue_wait = HistogramWindow(look_back_s)
         self._stats_number = 0
         self._drain: asyncio.Task | None = None
+        self._stop_watch: asyncio.Task | None = None  # asks the ingress whether Ray is stopping it
         await self.serving.start()  # warm-up: timed into phases, logged, and the startup gauge set
         # From the process's start (Ray's worker start and imports included) to ready.
         phases.record("process_start_to_ready", time.time() - _process_start_time())
         log.info("replica %s ready: %s", self.replica_id, phases.summary())
-        ingress = _deployment_handle(ingress_deployment) if ingress_deployment else None
-        self._stop_watch = None if ingress is None else asyncio.get_running_loop().create_task(
-            self._watch_for_stop(ingress, stop_poll_s))
+        # Off the event loop: the handle asks the controller (a blocking ray.get) that the deployment exists.
+        ingress = await asyncio.to_thread(_deployment_handle, ingress_deployment) if ingress_deployment else None
+        if ingress is not None:
+            self._stop_watch = asyncio.get_running_loop().create_task(self._watch_for_stop(ingress, stop_poll_s))
 
     async def _watch_for_stop(self, ingress, period_s: float) -> None:
         """Until a drain began: ask the ingress every period whether Ray took

@@ -3,8 +3,11 @@
 ingress, streaming and not, over two replicas of a tiny random-weight model;
 a burst spread across them by kvserve's router (per-replica counts); a burst
 that builds queue wait scales 1 -> 2 and idleness back after the delay with
-no request lost or sent twice; a replica killed with `ray.kill` while its
-requests wait: they are answered by another replica.
+no request lost or sent twice, and the scale-down drains: a stream on the
+replica Ray removes ends at the grace as `kvserve serve` ends one (an abort,
+then [DONE]; not the error event of Ray's kill), the other replica's stream
+runs on and it serves; a replica killed with `ray.kill` while its requests
+wait: they are answered by another replica.
 
 The autoscaling and kill tests run simulated replicas (`kvserve serve
 --simulate`: the real server, admission and scheduler, each engine step a
@@ -17,6 +20,7 @@ import asyncio
 import collections
 import json
 import socket
+import threading
 import time
 
 import httpx
@@ -124,6 +128,40 @@ def _replica_successes(url: str) -> dict[str, float]:
     return dict(totals)
 
 
+class _Stream:
+    """One streamed completion, read on its own thread: the replica that
+    answers, its SSE data lines, whether it ended; `leave()` closes it."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        self.replica: str | None = None
+        self.events: list[str] = []
+        self.started, self.ended, self._leaving = threading.Event(), threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(url, body), daemon=True)
+        self._thread.start()
+
+    def _read(self, url: str, body: dict) -> None:
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=300) as response:
+                self.replica = response.headers.get("x-kvserve-replica")
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line)
+                        self.started.set()
+                    if self._leaving.is_set():
+                        return
+        finally:
+            self.ended.set()
+            self.started.set()
+
+    def last_chunk(self) -> dict:
+        return json.loads(self.events[-2][len("data: "):])
+
+    def leave(self) -> None:
+        self._leaving.set()
+        self._thread.join(timeout=60)
+        assert not self._thread.is_alive(), "a stream hung"
+
+
 def _measure_drain(url: str, body: dict) -> None:
     """A few short requests first: a cold fleet's queue has an unbounded
     expected wait (no drain measured yet), which the ingress refuses."""
@@ -170,9 +208,10 @@ def test_openai_client_and_router_spread_over_two_tiny_replicas(cluster, tiny_fo
         serve.delete(APP)
 
 
-def test_burst_scales_one_to_two_and_back_after_the_delay_losing_nothing(cluster):
+def test_burst_scales_one_to_two_and_back_after_the_delay_losing_nothing_and_drains_the_one_removed(cluster):
+    grace_s = 3.0
     _deploy({**SLOW_SIM, "min_replicas": 1, "max_replicas": 2, "queue_wait_target": 0.5, "look_back": 3,
-             "scale_down_delay": 6})
+             "scale_down_delay": 10, "shutdown_grace": grace_s})
     try:
         assert _replica_counts() == {"RUNNING": 1}
         body = {"model": "sim", "prompt": "queue up", "max_tokens": 20}
@@ -198,9 +237,40 @@ def test_burst_scales_one_to_two_and_back_after_the_delay_losing_nothing(cluster
         assert _ingress_counter(cluster, "replica_gone") == 0
         assert max(sum(c.values()) for c in counts) == 2, counts  # the queue wait asked for a second
         assert wait_until(lambda: _replica_counts().get("RUNNING") == 2, timeout_s=120, period_s=0.5)
-        # Idle from here: one replica leaves once the delay has passed (not before).
+        # Calm from here (a stream holds one of a replica's two slots): one
+        # replica leaves once the delay has passed (not before). A stream on
+        # each, far longer than Ray's graceful timeout (~1500 steps of 0.07 s).
+        streams: list[_Stream] = []
+        for i in range(6):
+            stream = _Stream(cluster, {"model": "sim", "prompt": f"a long story {i}", "max_tokens": 1500})
+            assert stream.started.wait(60) and not stream.ended.is_set(), stream.events[-3:]
+            if stream.replica in {s.replica for s in streams}:
+                stream.leave()  # one each: two would fill a replica's batch, and a full batch is no calm
+            else:
+                streams.append(stream)
+            if len(streams) == 2:
+                break
+            time.sleep(1.0)  # a stats period or two: the router sees it
+        assert len(streams) == 2, [s.replica for s in streams]
         assert _replica_counts().get("RUNNING") == 2
         assert wait_until(lambda: _replica_counts() == {"RUNNING": 1}, timeout_s=120, period_s=0.5)
+
+        after = httpx.post(f"{cluster}/v1/completions", json=body, timeout=120)
+        assert after.status_code == 200, after.text[:300]
+        survivor = after.headers["x-kvserve-replica"]
+        removed = [s for s in streams if s.replica != survivor]
+        kept = [s for s in streams if s.replica == survivor]
+        assert removed and kept
+        for stream in removed:  # ended at the grace as a drain ends it, not cut by Ray's kill
+            assert stream.ended.wait(30)
+            assert stream.events[-1] == "data: [DONE]", stream.events[-3:]
+            assert "error" not in stream.last_chunk(), stream.last_chunk()
+            assert stream.last_chunk()["choices"][0]["finish_reason"] == "abort", stream.last_chunk()
+            assert 0 < len(stream.events) - 2 < 1500
+        for stream in kept:
+            assert not stream.ended.is_set(), stream.events[-3:]  # runs on
+        for stream in streams:
+            stream.leave()
     finally:
         serve.delete(APP)
 

@@ -1,13 +1,15 @@
 """LoRA adapters inside the one-call decode step (csrc's kvq_decode_layers
 with a kvq_lora_step) against the per-layer Python update (model/lora.LoraStep),
 on a tiny quantized model: several adapters of odd ranks and partial targets,
-one slot's tokens over more than one segment, beside base-model rows; then
-one fused linear's update alone (kvq_lora_apply) on shapes the tiny model
-lacks (ranks, inputs and output widths off the 16-column tiles), float32 and
-bfloat16 activations; each on the kernel's AVX-512 and AVX2 tiles and its
-portable loops."""
+one slot's tokens over more than one segment, beside base-model rows; a
+bfloat16 model, whose adapter steps leave the one call for the per-layer
+update (and say so); then one fused linear's update alone (kvq_lora_apply)
+on shapes the tiny model lacks (ranks, inputs and output widths off the
+16-column tiles), float32 and bfloat16 activations; each on the kernel's
+AVX-512 and AVX2 tiles and its portable loops."""
 
 import ctypes
+import logging
 
 import numpy as np
 import pytest
@@ -41,6 +43,9 @@ ATOL = 1e-5  # measured: <= 4e-7 of the largest value
 # about 1% of its largest value (measured: 0.7-1.0%, one row of 18, prefill on).
 QUANT_STEP_BOUND = 0.03  # of the step's largest value
 MIN_EXACT_SHARE = 0.8    # of the adapter rows, within ATOL
+# bfloat16 activations against float32 ones (a rounding of 2^-9 per value, and the int8 steps
+# it moves), on rows whose tokens so far agree: measured <= 3.1% of the step's largest value
+BFLOAT16_BOUND = 0.05
 
 
 # set_isa's mode per path of the update, and the matmul path it must report: the
@@ -74,10 +79,11 @@ def folders(base, tmp_path_factory):
     return out
 
 
-def decode_hidden(base, folders, native: bool, jobs=JOBS):
+def decode_hidden(base, folders, native: bool, jobs=JOBS, dtype: str = "float32"):
     """Run `jobs` (adapter name or None per request) to completion on a q4_1
-    engine; the LM head's input of every decode step, and the greedy tokens."""
-    engine = tiny_engine(base, quantization="q4_1", enable_lora=True, max_loras=3, max_lora_rank=24)
+    engine; the LM head's input of every decode step, the greedy tokens, and
+    the adapter step passed to each one-call step taken."""
+    engine = tiny_engine(base, quantization="q4_1", enable_lora=True, max_loras=3, max_lora_rank=24, dtype=dtype)
     model = engine.runner.model
     assert model.native_decode is not None
     if not native:
@@ -135,6 +141,32 @@ def test_the_adapters_change_every_adapter_row_and_no_base_row(base, folders, is
 def test_a_base_only_step_passes_no_adapter_work_to_the_native_step(base, folders):
     _, _, calls = decode_hidden(base, folders, native=True, jobs=[None] * 4)
     assert len(calls) == STEPS and all(lora is None for lora in calls)
+
+
+def test_bfloat16_slots_run_adapter_steps_layer_by_layer_say_so_and_keep_the_update(base, folders, caplog):
+    """The one-call step takes adapters in float32 on the CPU only (their
+    panels are packed from float32 stacks): on a bfloat16 quantized model a
+    step with adapter tokens runs layer by layer instead, which the runner
+    logs once at start, and the adapters still apply there."""
+    with caplog.at_level(logging.WARNING, logger="kvserve.model.lora"):
+        bf16, bf16_tokens, calls = decode_hidden(base, folders, native=True, dtype="bfloat16")
+        warnings = [r.getMessage() for r in caplog.records if r.name == "kvserve.model.lora"]
+    assert len(warnings) == 1 and "bfloat16" in warnings[0] and "layer by layer" in warnings[0]
+    assert calls == []  # every step held adapter tokens: none took the one call
+    _, _, base_calls = decode_hidden(base, folders, native=True, jobs=[None] * 4, dtype="bfloat16")
+    assert len(base_calls) == STEPS  # ...while a base-only step does
+    float32, float32_tokens, _ = decode_hidden(base, folders, native=True)
+    base_only, _, _ = decode_hidden(base, folders, native=True, jobs=[None] * len(JOBS), dtype="bfloat16")
+    adapter_rows = [i for i, job in enumerate(JOBS) if job is not None]
+    for step, (a, b, plain) in enumerate(zip(bf16, float32, base_only)):
+        scale = b.abs().max().item()
+        # the rows whose greedy tokens so far are float32's (a near tie can go the other way)
+        same_so_far = [i for i in range(len(JOBS)) if bf16_tokens[i][:step] == float32_tokens[i][:step]]
+        assert len(same_so_far) >= len(JOBS) // 2, step
+        error = (a[same_so_far].float() - b[same_so_far]).abs().max().item()
+        assert error <= BFLOAT16_BOUND * scale, (step, error / scale)
+        changed = (a[adapter_rows].float() - plain[adapter_rows].float()).abs().max(dim=1).values
+        assert (changed > 100 * ATOL * scale).all(), (step, changed)
 
 
 # ---- one fused linear's update alone (kvq_lora_apply) -------------------------------------------

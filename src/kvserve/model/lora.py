@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import math
 import re
 from collections import OrderedDict
@@ -52,6 +53,8 @@ from kvserve.model_facts.config import ModelConfig
 from kvserve.model_facts.default_model import file_sha256
 from kvserve.model.llama import input_transform
 from kvserve.model.quantized import LORA_MAX_TARGETS, LORA_SEGMENT_ROWS, NativeLoraLinear, NativeLoraStep
+
+log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -330,6 +333,10 @@ class LoraSlots:
         # The one-call step's view of every stack (csrc's kvq_lora_linear per
         # layer and group), for float32 slots on the CPU; built on first use.
         self.native_capable = native_step and dtype == torch.float32 and device.type == "cpu"
+        if native_step and not self.native_capable:  # a slower path than the model's own: say so once
+            log.warning("LoRA on a %s model on %s: steps with adapter tokens run layer by layer (the one-call "
+                        "native step takes adapters in float32 on the CPU only); base-only steps keep the one call",
+                        str(dtype).removeprefix("torch."), device.type)
         self._native_linears: ctypes.Array | None = None
         dims = _target_dims(config)
         self.layers = [{group: _GroupStack(targets, dims, num_slots, max_rank, dtype, device, self.native_capable)

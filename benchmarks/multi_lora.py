@@ -137,12 +137,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     result = measure(args.batch, args.tokens, args.repeats, args.rank, args.arms)
+    print_table(result)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 
 def measure(batch: int, tokens: int, repeats: int, rank: int, adapter_arms: list[str]) -> dict:
-    """Run the arms interleaved, print the table; the result as JSON-ready dict."""
+    """Run the arms interleaved; the result as a JSON-ready dict (print_table shows it)."""
     args = argparse.Namespace(batch=batch, tokens=tokens, repeats=repeats, rank=rank, arms=adapter_arms)
     llm = LLM(kv_cache_memory="512MiB", max_model_len=1024, enable_lora=True, max_loras=NUM_ADAPTERS,
               max_lora_rank=args.rank)
@@ -176,15 +177,8 @@ def measure(batch: int, tokens: int, repeats: int, rank: int, adapter_arms: list
         for r in rs:
             r.pop("token_ids", None)
     ratios = {name: median[name]["tokens_per_s"] / median["base"]["tokens_per_s"] for name in arms}
-    print(f"{'arm':>25} {'tokens/s':>9} {'TPOT ms':>9} {'x base':>7}")
-    for name, m in median.items():
-        print(f"{name:>25} {m['tokens_per_s']:>9.1f} {1e3 * m['tpot_s']:>9.2f} {ratios[name]:>7.3f}")
-    load = f"load average (1 min) {min(load_averages):.1f}-{max(load_averages):.1f} on {os.cpu_count()} CPUs"
-    print(f"same tokens as 4_adapters: {agree}")
-    print(f"throughput 4 adapters / base: {ratios.get('4_adapters', float('nan')):.3f}x (target >= 0.8x); {load}")
     native_gain = (median["4_adapters"]["tokens_per_s"] / median["4_adapters_per_layer"]["tokens_per_s"]
                    if {"4_adapters", "4_adapters_per_layer"} <= set(median) else float("nan"))
-    print(f"native step with adapters / per-layer torch update: {native_gain:.3f}x")
     result = {"benchmark": "multi_lora.throughput", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{platform.machine()} {platform.processor()}".strip(),
               "torch_threads": torch.get_num_threads(), "model": "SmolLM2-135M-Instruct Q4_1 (float32 activations)",
@@ -204,6 +198,18 @@ def measure(batch: int, tokens: int, repeats: int, rank: int, adapter_arms: list
               "runs": {n: [{k: round(v, 6) if isinstance(v, float) else v for k, v in r.items()} for r in rs]
                        for n, rs in runs.items()}}
     return result
+
+
+def print_table(result: dict) -> None:
+    """measure()'s result as this benchmark's table."""
+    print(f"{'arm':>25} {'tokens/s':>9} {'TPOT ms':>9} {'x base':>7}")
+    for name, m in result["median"].items():
+        print(f"{name:>25} {m['tokens_per_s']:>9.1f} {1e3 * m['tpot_s']:>9.2f} {result['ratios_to_base'][name]:>7.3f}")
+    load = result["load_average_1m"]
+    print(f"same tokens as 4_adapters: {result['same_greedy_tokens_as_4_adapters']}")
+    print(f"throughput 4 adapters / base: {result['throughput_ratio']:.3f}x (target >= 0.8x); "
+          f"load average (1 min) {load['min']:.1f}-{load['max']:.1f} on {result['cpus']} CPUs")
+    print(f"native step with adapters / per-layer torch update: {result['native_over_per_layer']:.3f}x")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ class Proc:
         self.start()
 
     def start(self) -> Proc:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # this tree's src/ first: the venv's editable install may be another checkout's
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen(self.command, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         return self

@@ -24,7 +24,7 @@
  *
  * Code paths chosen at run time (kvq_set_isa): portable C; AVX2 (+FMA, F16C);
  * and, where the CPU has AVX512-VNNI, the "best" one: VNNI matmul tiles and
- * 512-bit activation quantization and SwiGLU (all bit-identical to AVX2) and
+ * 512-bit RMS-norm, activation quantization and SwiGLU (all bit-identical to AVX2) and
  * 512-bit attention tiles (the same results up to float summation order, as
  * AVX2 is to portable C).
  */
@@ -323,6 +323,56 @@ static void quantize_row_avx512(const void* x, int xtype, int64_t K, int8_t* q, 
         d[b] = scale; s[b] = scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qi[0], qi[1]));
     }
 }
+
+/* RMS-norm of one row (K % 16 == 0): the sum of squares in 16 running lanes,
+ * lane i over x[16j + i], folded in one fixed order; the AVX2 copy keeps the
+ * 16 lanes in two registers and the AVX-512 one in one, the same fused
+ * multiply-adds per lane, so both give the same floats (the matmul's paths
+ * stay bit-identical, and a LoRA update's copy of the row, transformed on
+ * AVX2, is the row the matmul quantized). out[k] = x[k] * inv * w[k]. */
+__attribute__((target("avx2,fma,f16c")))
+static float rms_inverse_of_lanes_avx2(__m256 s, int64_t K, float eps) {  /* s: lanes i + lanes i + 8 */
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return 1.f / sqrtf(_mm_cvtss_f32(h) / (float)K + eps);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void rms_norm_row_avx2(const void* row, int xtype, int64_t K, const void* norm_w, float eps, float* out) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __m256 v0 = load8_avx2(row, xtype, k), v1 = load8_avx2(row, xtype, k + 8);
+        s0 = _mm256_fmadd_ps(v0, v0, s0);
+        s1 = _mm256_fmadd_ps(v1, v1, s1);
+    }
+    const __m256 inv = _mm256_set1_ps(rms_inverse_of_lanes_avx2(_mm256_add_ps(s0, s1), K, eps));
+    for (int64_t k = 0; k < K; k += 8)
+        _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_mul_ps(load8_avx2(row, xtype, k), inv),
+                                                load8_avx2(norm_w, xtype, k)));
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f")))
+static inline __m512 load16_avx512(const void* x, int xtype, int64_t i) {
+    if (xtype == KVQ_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)x + i))), 16));
+    return _mm512_loadu_ps((const float*)x + i);
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f")))
+static void rms_norm_row_avx512(const void* row, int xtype, int64_t K, const void* norm_w, float eps, float* out) {
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __m512 v = load16_avx512(row, xtype, k);
+        s = _mm512_fmadd_ps(v, v, s);
+    }
+    const __m512 inv = _mm512_set1_ps(rms_inverse_of_lanes_avx2(
+        _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1))), K, eps));
+    for (int64_t k = 0; k < K; k += 16)
+        _mm512_storeu_ps(out + k, _mm512_mul_ps(_mm512_mul_ps(load16_avx512(row, xtype, k), inv),
+                                                load16_avx512(norm_w, xtype, k)));
+}
 #endif
 
 /* What the matmul applies to each input row before quantizing it. */
@@ -343,6 +393,8 @@ static void transform_row(const void* row, int xtype, int64_t K, int xop, const 
 #ifdef KVQ_X86
     if (xop == KVQ_X_SWIGLU && simd == 3 && K % 16 == 0) { swiglu_avx512(row, xtype, K, out); return; }
     if (xop == KVQ_X_SWIGLU && simd) { swiglu_avx2(row, xtype, K, out); return; }
+    if (xop == KVQ_X_RMS_NORM && simd == 3 && K % 16 == 0) { rms_norm_row_avx512(row, xtype, K, norm_w, eps, out); return; }
+    if (xop == KVQ_X_RMS_NORM && simd && K % 16 == 0) { rms_norm_row_avx2(row, xtype, K, norm_w, eps, out); return; }
 #endif
     (void)simd;
     if (xop == KVQ_X_SWIGLU) {

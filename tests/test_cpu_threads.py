@@ -159,3 +159,42 @@ def test_results_do_not_depend_on_the_thread_count(qtype):
         torch.set_num_threads(before)
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+@needs_kernels
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPUs to run a helper")
+def test_helpers_watch_for_jobs_only_inside_a_step_of_several_rows():
+    """Inside the one-call step of a prefill the pool's helpers watch for the
+    next job instead of sleeping between jobs (csrc's burst, at most
+    KVQ_HELPER_SPIN_NS each time); once the step returns they sleep and burn
+    no CPU, so an idle server's other core is free."""
+    code = """
+        import os, time, torch
+        from tests.tiny_models import random_prompts, tiny_engine, tiny_llama
+        from kvserve.contract import SamplingParams
+        torch.set_num_threads(2)
+        engine = tiny_engine(tiny_llama(seed=1), quantization="q4_1", num_blocks=512)
+        assert engine.runner.model.native_decode is not None
+        for prompt in random_prompts([300] * 4, seed=2):  # each a prefill: RoPE and attention use the pool
+            request = engine.new_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            engine.add_request(request)
+            while engine.has_unfinished():
+                engine.step()
+        def helper_ticks():  # utime + stime of the pool's helpers, in clock ticks
+            ticks, helpers = 0, 0
+            for t in os.listdir("/proc/self/task"):
+                if open(f"/proc/self/task/{t}/comm").read().strip() == "kvq-pool":
+                    fields = open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()
+                    ticks, helpers = ticks + int(fields[11]) + int(fields[12]), helpers + 1
+            return ticks, helpers
+        time.sleep(0.2)
+        before, helpers = helper_ticks()
+        time.sleep(1.0)
+        print(helpers, helper_ticks()[0] - before, os.sysconf("SC_CLK_TCK"))
+    """
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    helpers, ticks, per_second = map(int, out.stdout.split())
+    assert helpers == 1  # the step did use the pool
+    assert ticks <= per_second // 20, f"the helper ran {ticks} ticks ({per_second}/s) in a second without a job"

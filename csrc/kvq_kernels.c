@@ -36,7 +36,6 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
-#include <time.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define KVQ_X86 1
@@ -159,21 +158,7 @@ static struct {
     int max_helpers;      /* helpers with an index below this take part */
     _Atomic uint64_t ticket;
     _Atomic int64_t done;
-    _Atomic uint32_t posted;  /* generation, readable without mu: what a watching helper reads */
-    _Atomic int burst;        /* a caller is posting jobs back to back (kvq_decode_layers of several rows) */
-} g_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, {0}, 0, NULL, NULL, 0, 0, 0, 0, 0, 0};
-
-/* How long a helper that ran out of chunks watches for the next job, at
- * most, before it sleeps on the condition variable; it watches only during a
- * burst. A step of several rows posts its jobs back to back (ten per layer:
- * each matmul's quantization and product, RoPE, attention), microseconds
- * apart; a sleeping helper is woken by a futex call and, on a VM, an IPI to
- * its halted vCPU, and starts its share of each job that much late. Outside
- * a burst (a batch-1 decode step, whose few parallel jobs are far apart, or
- * between steps) helpers sleep at once: the other core is the server's. */
-#ifndef KVQ_HELPER_SPIN_NS
-#define KVQ_HELPER_SPIN_NS 100000
-#endif
+} g_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, {0}, 0, NULL, NULL, 0, 0, 0, 0};
 
 static int64_t claim(uint32_t generation, int64_t num_chunks) {
     uint64_t t = atomic_load(&g_pool.ticket);
@@ -189,27 +174,6 @@ static void run_chunks(chunk_fn fn, const void* ctx, uint32_t generation, int64_
     if (finished) atomic_fetch_add(&g_pool.done, finished);  /* once: the count's line bounces between cores */
 }
 
-static int64_t monotonic_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
-/* Returns once a job newer than `seen` is posted, the burst ended, or
- * KVQ_HELPER_SPIN_NS passed. */
-static void watch_for_job(uint32_t seen) {
-    const int64_t until = monotonic_ns() + KVQ_HELPER_SPIN_NS;
-    while (atomic_load_explicit(&g_pool.burst, memory_order_relaxed)) {
-        for (int i = 0; i < 64; i++) {
-            if (atomic_load_explicit(&g_pool.posted, memory_order_acquire) != seen) return;
-#ifdef KVQ_X86
-            __builtin_ia32_pause();
-#endif
-        }
-        if (monotonic_ns() > until) return;
-    }
-}
-
 static void* helper_main(void* arg) {
     const int index = (int)(intptr_t)arg;
     uint32_t seen = 0;
@@ -217,11 +181,6 @@ static void* helper_main(void* arg) {
     pthread_mutex_lock(&g_pool.mu);
     seen = g_pool.generation;
     for (;;) {
-        if (g_pool.generation == seen) {
-            pthread_mutex_unlock(&g_pool.mu);
-            watch_for_job(seen);
-            pthread_mutex_lock(&g_pool.mu);
-        }
         while (g_pool.generation == seen) pthread_cond_wait(&g_pool.wake, &g_pool.mu);
         seen = g_pool.generation;
         chunk_fn fn = g_pool.fn;
@@ -271,8 +230,7 @@ static void parallel_chunks(int num_threads, int64_t num_chunks, chunk_fn fn, co
     g_pool.fn = fn; g_pool.ctx = ctx; g_pool.num_chunks = num_chunks; g_pool.max_helpers = helpers;
     atomic_store(&g_pool.done, 0);
     atomic_store(&g_pool.ticket, (uint64_t)generation << 32);
-    atomic_store_explicit(&g_pool.posted, generation, memory_order_release);
-    pthread_cond_broadcast(&g_pool.wake);  /* no system call when every helper is watching */
+    pthread_cond_broadcast(&g_pool.wake);
     pthread_mutex_unlock(&g_pool.mu);
     run_chunks(fn, ctx, generation, num_chunks);
     /* What is left is chunks helpers hold; yield rather than spin if one was preempted. */
@@ -744,7 +702,6 @@ static void pair_tile_vnni(int wtype, const uint8_t* wg0, const uint8_t* wg1, in
 
 /* Activation rows per tile: the most a path's registers hold. */
 static int tile_rows(int isa) { return isa == 3 ? KVQ_VNNI_ROWS : 4; }
-
 
 /* Rows n0.. of one or two groups (at most 8 per group) for activation rows m0..m0+MR-1. */
 static void matmul_tile(int wtype, const uint8_t* wg, int64_t nb, int64_t bb, int num_groups, int64_t K,
@@ -1817,8 +1774,6 @@ int kvq_decode_layers(const kvq_layer* layers, int64_t num_layers, void* residua
         lora = NULL;
     }
     int status = 0;
-    const int burst = T > 1 && num_threads > 1;  /* its jobs come back to back: helpers watch between them */
-    if (burst) atomic_store(&g_pool.burst, 1);
     for (int64_t l = 0; l < num_layers && status == 0; l++) {
         const kvq_layer* ly = &layers[l];
         const kvq_lora_linear* ll = lora ? lora->linears + 4 * l : NULL;
@@ -1843,7 +1798,6 @@ int kvq_decode_layers(const kvq_layer* layers, int64_t num_layers, void* residua
         if (ll) lora_add(lora, &ll[3], gate_up, dtype, 2 * inter, KVQ_X_SWIGLU, NULL, 0.f, residual, hidden, xs,
                          shrunk, num_threads);
     }
-    if (burst) atomic_store(&g_pool.burst, 0);
     free(xs);
     return status;
 }

@@ -687,8 +687,12 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
 /* prefetch: the tile streams its weights from memory (a chunk's first row
  * tile); later row tiles find them in L1, where the prefetches only cost
  * instructions (~5% of a 256-row matmul's time). */
+/* y: where a float32 output's 16 columns go straight from the registers
+ * (row r at y + r * ldy, plus add + r * ldadd when add is set, + 0 otherwise,
+ * as matmul_tile's stores), or NULL: into out. */
 static void pair_tile_vnni(int wtype, const uint8_t* wg0, const uint8_t* wg1, int64_t nb, const int8_t* qa,
-                           const float* da, const float* sa, int64_t K, int MR, int prefetch, float out[][2 * NR]) {
+                           const float* da, const float* sa, int64_t K, int MR, int prefetch, float out[][2 * NR],
+                           float* y, int64_t ldy, const float* add, int64_t ldadd) {
     const int64_t bb = kvq_block_bytes(wtype);
     __m512 accf[KVQ_VNNI_ROWS];
     switch (MR) {
@@ -696,7 +700,12 @@ static void pair_tile_vnni(int wtype, const uint8_t* wg0, const uint8_t* wg1, in
         KVQ_PAIR_CASE(4) KVQ_PAIR_CASE(3) KVQ_PAIR_CASE(2)
         default: KVQ_PAIR_CASE(1)
     }
-    for (int r = 0; r < MR; r++) _mm512_storeu_ps(out[r], accf[r]);
+    if (y == NULL) {
+        for (int r = 0; r < MR; r++) _mm512_storeu_ps(out[r], accf[r]);
+        return;
+    }
+    for (int r = 0; r < MR; r++)
+        _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(accf[r], add ? _mm512_loadu_ps(add + r * ldadd) : _mm512_setzero_ps()));
 }
 #endif
 
@@ -711,8 +720,16 @@ static void matmul_tile(int wtype, const uint8_t* wg, int64_t nb, int64_t bb, in
     const int64_t count = N - n0 < num_groups * NR ? N - n0 : num_groups * NR;
     float acc[KVQ_MAX_ROWS][2 * NR];
 #ifdef KVQ_X86
+    /* A whole pair tile of float32 outputs: stored from its registers. */
+    const int direct = num_groups == 2 && count == 2 * NR && ytype == KVQ_F32 && (add == NULL || addtype == KVQ_F32);
+    if (direct) {
+        pair_tile_vnni(wtype, wg, wg + nb * bb, nb, qa + m0 * K, da + m0 * nb, sa + m0 * nb, K, MR, m0 == 0, acc,
+                       (float*)y + m0 * ldy + n0, ldy, add ? (const float*)add + m0 * ldadd + n0 : NULL, ldadd);
+        return;
+    }
     if (num_groups == 2)
-        pair_tile_vnni(wtype, wg, wg + nb * bb, nb, qa + m0 * K, da + m0 * nb, sa + m0 * nb, K, MR, m0 == 0, acc);
+        pair_tile_vnni(wtype, wg, wg + nb * bb, nb, qa + m0 * K, da + m0 * nb, sa + m0 * nb, K, MR, m0 == 0, acc,
+                       NULL, 0, NULL, 0);
     else if (isa == 3) tile_vnni(wtype, wg, nb, qa + m0 * K, da + m0 * nb, sa + m0 * nb, K, MR, acc);
     else if (isa == 2) tile_avx2(wtype, wg, nb, qa + m0 * K, da + m0 * nb, sa + m0 * nb, K, MR, acc);
 #endif

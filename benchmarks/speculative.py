@@ -8,13 +8,12 @@ Workloads (greedy, chat template, natural stops up to --max-tokens):
 Configurations, one engine each (same weights, same KV size):
 - off: no speculation;
 - ngram: prompt lookup, k = 4, n in 2..4, with the default when-not-to-
-  speculate policy (SpeculativeConfig's disable_by_batch_size and
-  min_acceptance_rate: no drafts in steps decoding more than that many
-  sequences, nor for requests whose acceptance EWMA is below the rate, but a
-  one-draft probe);
-- ngram-no-cutoff: the same, without the batch-size cut-off (the per-request
-  acceptance rule only): at batch b, what any cut-off >= b does, so the
-  cut-off's default is read off this row against off;
+  speculate policy (scheduler/speculation.py: a request drafts while its
+  acceptance EWMA beats the break-even of the step's batch, a bar rising
+  from min_acceptance_rate at batch 1; under it, a one-draft probe);
+- ngram-cutoff-1: the same with disable_by_batch_size 1, the rule before the
+  bar rose with the batch (batch 1's bar is min_acceptance_rate either way;
+  no drafts in a step decoding more than one sequence);
 - ngram-always: the same drafts with the policy off, to show where it loses.
 At batch sizes 1, 2, 4 and 8 (that many requests added at once, run to the
 end). Rounds interleave the configurations, each round in another order
@@ -87,8 +86,8 @@ CHAT_QUESTIONS = [
 CONFIGS = {
     "off": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
-    "ngram-no-cutoff": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-                        "prompt_lookup_min": 2, "disable_by_batch_size": None},
+    "ngram-cutoff-1": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                       "prompt_lookup_min": 2, "disable_by_batch_size": 1},
     "ngram-always": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
                      "prompt_lookup_min": 2, "disable_by_batch_size": None, "min_acceptance_rate": 0.0},
 }

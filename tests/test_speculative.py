@@ -312,7 +312,7 @@ def test_speculative_config_takes_vllms_keys_and_names_bad_ones():
         with pytest.raises(ValueError, match=words):
             SpeculativeConfig.parse(bad)
     assert math.isclose(SpeculativeConfig().min_acceptance_rate, 0.25)
-    assert SpeculativeConfig().disable_by_batch_size == 1
+    assert SpeculativeConfig().disable_by_batch_size is None
 
 
 def test_a_requests_draft_stream_is_independent_of_its_target_stream():

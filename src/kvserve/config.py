@@ -219,26 +219,26 @@ class SpeculativeConfig:
       or "draft_model" (`model`: a smaller model with the target's vocabulary).
     num_speculative_tokens: draft tokens proposed per request per step (k);
       each speculating request asks the step for 1 + k tokens.
+    min_acceptance_rate: the acceptance a request needs to speculate at
+      batch 1; in a step decoding b sequences it needs
+      b m / (b m + 1 - m) (m this rate), the break-even of a step costing
+      about W + n r for n rows: a draft costs a row r and brings its
+      request's rate in tokens, which pays from b r / (W + b r) (k cancels);
+      m = r / (W + r). Below it a request only probes with one draft: the
+      first `probe_interval_steps` steps after its last verification, the
+      wait doubling after each failed probe, up to 16x (0 disables the rule;
+      scheduler/speculation.py).
     disable_by_batch_size: no request speculates in a step that decodes more
       than this many sequences (vLLM's key; None: no limit).
-    min_acceptance_rate: no request speculates while the measured share of
-      draft tokens accepted (an EWMA over recent drafts) is below this, except
-      probes of one draft that keep the measurement alive: the first
-      `probe_interval_steps` steps after its last verification, the wait
-      doubling after each failed probe, up to 16x (0 disables the rule;
-      scheduler/speculation.py).
-    The defaults (1 and 0.25) are measured on the default model on a CPU
-    with k = 4 (benchmarks/speculative.py, output tokens per process CPU
-    second over speculation off; docs/performance.md). min_acceptance_rate:
-    verifying 4 drafts of one sequence costs ~2x a decode step, so 1 + 4 x
-    rate tokens per step pay from rate ~0.25. disable_by_batch_size: the
-    largest batch at which speculating keeps an answer that does not repeat
-    its prompt (chat) at >= 0.95x of off: batch 1 (1.06x; a copying answer
-    2.00x). From batch 2 chat loses (0.94x, 0.92x at 4, 0.87x at 8: its
-    0.30-0.40 acceptance stays over min_acceptance_rate, and each verified
-    draft costs about a decode row of a step that is no longer
-    bandwidth-bound) while a copying answer gains less and less (1.43x,
-    1.15x, 1.10x); where answers mostly copy their context, raise it.
+    The defaults are measured on the default model on a CPU with k = 4
+    (benchmarks/speculative.py, output tokens per process CPU second over
+    speculation off; docs/performance.md). Verifying 4 drafts of one
+    sequence costs ~2x a decode step, so W ~ 3 r and m = 0.25: the bar is
+    0.25, 0.40, 0.57, 0.73, 0.84 at batch 1, 2, 4, 8, 16. It keeps chat (an
+    answer that does not repeat its prompt, acceptance 0.30-0.40) from
+    speculating from batch 2, where the batch-1 bar alone lost 0.94x, 0.92x,
+    0.87x at 2, 4, 8, and a copying answer (0.83) speculating up to batch 8,
+    where it gains 1.43x, 1.15x, 1.10x; so no batch-size limit by default.
     """
 
     method: str = "ngram"
@@ -246,7 +246,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None
-    disable_by_batch_size: int | None = 1
+    disable_by_batch_size: int | None = None
     min_acceptance_rate: float = 0.25
     probe_interval_steps: int = 16
 

@@ -100,18 +100,16 @@ def add_speculative_arguments(group: ArgumentTarget) -> None:
         help='speculative decoding as JSON with vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 4, '
              '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup in the request\'s own tokens) or '
              '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} (a smaller model with the '
-             'same vocabulary). When not to speculate: no request speculates in a step decoding more than '
-             '"disable_by_batch_size" sequences (default 1), nor a request whose measured acceptance rate '
-             '(EWMA of accepted / proposed drafts) is below "min_acceptance_rate" (default 0.25), except a '
-             'probe of one draft "probe_interval_steps" (default 16) steps after its last verification, the '
-             'wait doubling after each failed probe (up to 16x) and reset by one that recovers the rate; nor '
-             'one with a grammar, penalties or logit_bias. '
-             'The defaults are measured on the default model on a CPU (k = 4, tokens per CPU second over '
-             'speculation off): 0.25 is batch 1\'s break-even (4 drafts cost ~2x a decode step); '
-             'disable_by_batch_size is the largest batch at which chat, whose answers do not repeat the prompt, '
-             'keeps >= 0.95x: batch 1 (1.06x; a copying answer 2.00x), while at batch 2, 4 and 8 chat gets '
-             '0.94x, 0.92x, 0.87x and a copying answer 1.43x, 1.15x, 1.10x. Raise it where answers mostly copy '
-             'their context, or on a GPU, where a step is bandwidth-bound')
+             'same vocabulary). When not to speculate: a request speculates in a step decoding b sequences '
+             'while its measured acceptance rate (EWMA of accepted / proposed drafts) is at least '
+             'b m / (b m + 1 - m), m = "min_acceptance_rate" (default 0.25): the break-even where a step of n '
+             'rows costs about W + n r and a draft costs a row and brings the rate in tokens; on a CPU '
+             '4 drafts cost ~2x a batch-1 decode step (W ~ 3 r), so the bar is 0.25, 0.40, 0.57, 0.73, 0.84 at '
+             'batch 1, 2, 4, 8, 16 (chat answers accept 0.30-0.40, answers that copy the prompt ~0.83). Below '
+             'it, a probe of one draft "probe_interval_steps" (default 16) steps after its last verification, '
+             'the wait doubling after each failed probe (up to 16x) and reset by one that recovers the rate. '
+             'No request speculates in a step decoding more than "disable_by_batch_size" sequences (default '
+             'null: no limit), nor one with a grammar, penalties or logit_bias')
 
 
 def add_simulated_speculation_arguments(group: ArgumentTarget) -> None:

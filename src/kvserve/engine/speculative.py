@@ -122,7 +122,8 @@ class Speculator:
         if not decoding or not self.policy.step_allows(len(decoding)):
             return
         chosen = [(r, k) for r in decoding
-                  if (k := self.policy.drafts_allowed(r.request_id, self._num_drafts(r, sampling_states))) > 0]
+                  if (k := self.policy.drafts_allowed(r.request_id, self._num_drafts(r, sampling_states),
+                                                      len(decoding))) > 0]
         if self.draft_model is not None:
             if chosen:
                 self.draft_probs = self.draft_model.propose(chosen)

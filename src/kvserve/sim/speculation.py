@@ -9,8 +9,9 @@ probability while the ones before it were), on what proposing costs
 batch; ~0 for prompt lookup), and on what verification costs (the cost
 model prices the step's 1 + k tokens per speculating request). Drafts are
 given to the running requests by the engine's own policy
-(scheduler/speculation.py: batch-size cut-off, per-request acceptance) and
-scheduled, allocated and released by the real scheduler.
+(scheduler/speculation.py: each request's acceptance against a bar that
+rises with the batch, the batch-size limit) and scheduled, allocated and
+released by the real scheduler.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ class SimulatedDrafts:
         longest = 0
         k = self.speculation.config.num_speculative_tokens
         for request in decoding:
-            n = self.policy.drafts_allowed(request.request_id, min(k, scheduler.max_spec_tokens(request)))
+            n = self.policy.drafts_allowed(request.request_id, min(k, scheduler.max_spec_tokens(request)),
+                                           len(decoding))
             if n > 0:
                 request.spec_token_ids = [self.draft_token_id] * n
                 longest = max(longest, n)

@@ -105,6 +105,35 @@ def test_a_draft_identical_to_the_target_accepts_every_token(hf, folders):
     assert totals.num_accepted_tokens == totals.num_draft_tokens
 
 
+def test_a_quantized_gguf_draft_computes_quantized_like_the_target(tmp_path):
+    """A draft model given as a Q8_0 GGUF, under the target's quantization
+    "auto" (the default), keeps the file's blocks: its resident weights are
+    under a third of the float32 draft's that quantization "none" loads, its
+    decode steps run the one native call, and greedy output is still the
+    target's own."""
+    import gguf
+
+    from tests.test_loader import _randomize, tiny_hf_model, write_tiny_gguf
+
+    target = tiny_hf_model("llama")
+    _randomize(target)
+    path = tmp_path / "draft-q8_0.gguf"
+    write_tiny_gguf(path, target, gguf.GGMLQuantizationType.Q8_0)
+    spec = {**NGRAM, "method": "draft_model", "model": str(path)}
+    prompts = random_prompts([12, 20, 9], vocab_size=target.config.vocab_size)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    _, plain = run(target, prompts, params)
+    engine, speculated = run(target, prompts, params, spec)
+    float_engine, float_speculated = run(target, prompts, params, spec, quantization="none")
+    draft, float_draft = engine.speculator.draft_model.draft, float_engine.speculator.draft_model.draft
+    assert "q8_0" in draft.model.weight_formats() and draft.model.native_decode is not None
+    assert set(float_draft.model.weight_formats()) == {"float32"}
+    assert draft.weight_bytes < float_draft.weight_bytes / 3
+    assert engine.memory_bytes()["weights"] == engine.runner.weight_bytes + draft.weight_bytes
+    assert token_ids(speculated) == token_ids(plain) == token_ids(float_speculated)
+    assert engine.speculator.totals.num_accepted_tokens > 0
+
+
 def test_seeded_sampled_output_does_not_depend_on_the_batch(hf, folders):
     prompt = repetitive_prompts([20], seed=5)[0]
     params = SamplingParams(max_tokens=30, temperature=0.3, seed=7, ignore_eos=True)

@@ -49,7 +49,7 @@ def add_model_arguments(group: ArgumentTarget) -> None:
                        help="what the weights are computed in: auto = a GGUF's own Q8_0/Q4_0/Q4_1 blocks, kept "
                             "quantized in memory (CPU kernels; other files: --dtype); none = dequantized to "
                             "--dtype (the float path); q8_0/q4_0/q4_1 = every matrix requantized to that type "
-                            "at load (Q4 keeps the embedding table in Q8_0)")
+                            "at load (Q4 keeps the embedding table in Q8_0). A speculative draft model is computed the same way")
     group.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
 
 

@@ -191,7 +191,8 @@ class EngineCore:
         from kvserve.runner.draft_model import DraftModelProposer
 
         return DraftModelProposer.load_runner(config, block_size=self.config.block_size, dtype=self.config.dtype,
-                                              device=self.config.device, max_model_len=self.max_model_len)
+                                              device=self.config.device, max_model_len=self.max_model_len,
+                                              quantization=self.config.quantization)
 
     def _draft_model(self, draft_runner: ModelRunner) -> DraftModelProposer:
         from kvserve.runner.draft_model import DraftModelProposer

@@ -56,17 +56,21 @@ class DraftModelProposer:
 
     @staticmethod
     def load_runner(config: SpeculativeConfig, *, block_size: int, dtype: str | torch.dtype,
-                    device: torch.device | str | None, max_model_len: int) -> ModelRunner:
+                    device: torch.device | str | None, max_model_len: int, quantization: str) -> ModelRunner:
         """The draft model at `config.model` on the target's device and dtype,
-        its weights resident and its cache one block until the proposer gives
-        it the target's block count (the target's cache is sized after this,
-        net of the draft's weights and per-block KV)."""
+        computed in the target's `quantization` (model/quantized.prepare_weights:
+        under "auto" a GGUF's Q8_0 / Q4_0 / Q4_1 matrices stay quantized, so its
+        steps run the quantized kernels, the one-call decode included, and its
+        resident weights are the file's blocks, not float32), its cache one
+        block until the proposer gives it the target's block count (the
+        target's cache is sized after this, net of the draft's weights and
+        per-block KV)."""
         assert config.model is not None
-        loaded = load_model(config.model)
+        loaded = load_model(config.model, quantization=quantization)
         return ModelRunner(loaded.config, loaded.weights,
                            kv_cache_memory_bytes=kv_bytes_per_block(loaded.config, block_size, resolve_dtype(dtype)),
                            block_size=block_size, dtype=dtype, device=device, max_model_len=max_model_len,
-                           enforce_eager=True)
+                           enforce_eager=True, quantization=quantization)
 
     def sleep(self) -> int:
         """The engine sleeps: free the draft's KV cache (on CUDA its weights

@@ -66,23 +66,20 @@ def test_simulate_command_takes_the_acceptance_rate(tmp_path):
     assert main([*args[:-4], "--speculative-config", '{"method": "ngram"}']) == 2
 
 
-def test_the_simulator_and_the_engine_verify_the_same_drafts_probes_included():
-    """One policy, one scheduler: a simulated request whose drafts are never
-    accepted verifies k drafts until its acceptance EWMA falls under the
-    threshold, then one-draft probes whose wait doubles (16, 32, 64 steps),
-    and each step is priced with the drafts it carries (a probe: its one
-    draft token and one proposer pass). The engine under `kvserve serve
-    --simulate` (its own speculator, the simulated runner) runs the same
-    steps at the same cost."""
+def simulated_and_served_steps(speculation: SimSpeculation, prompt_tokens: int, max_tokens: int,
+                               max_num_batched_tokens: int = 512):
+    """One request through the simulator and through the engine under `kvserve
+    serve --simulate` (its own speculator, the simulated runner): each run's
+    tokens per step and seconds per step."""
+    from dataclasses import replace
+
     from kvserve.contract import SamplingParams
     from kvserve.engine.core import EngineConfig, EngineCore
     from kvserve.sim.simulated_runner import SimulatedRunner
     from tests.tiny_models import model_config_of, random_prompts, tiny_llama, word_tokenizer
 
-    policy = SpeculativeConfig(num_speculative_tokens=4)  # the default policy: probes after 16 steps
-    speculation = SimSpeculation(acceptance_rate=0.0, proposer_cost_s=1e-3, config=policy)
-    prompt_tokens, max_tokens = 30, 150
     config = replica_config(None, speculation=speculation, record_trace=True)
+    config = replace(config, scheduler=replace(config.scheduler, max_num_batched_tokens=max_num_batched_tokens))
     result = Simulator(config, COST).run(generate_requests(fixed_mix(prompt_tokens, max_tokens), 1, seed=1), [0.0])
     trace = result.traces[0]
     schedule_at = [i for i, entry in enumerate(trace) if entry[0] == "schedule"]
@@ -95,16 +92,28 @@ def test_the_simulator_and_the_engine_verify_the_same_drafts_probes_included():
                              speculation=speculation)
     engine = EngineCore(model_config_of(tiny_llama()), None, word_tokenizer(),
                         EngineConfig(block_size=config.cache.block_size, max_num_seqs=config.scheduler.max_num_seqs,
-                                     max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-                                     speculative_config=policy), runner=runner)
+                                     max_num_batched_tokens=max_num_batched_tokens,
+                                     speculative_config=speculation.config), runner=runner)
     engine.add_request(engine.new_request(random_prompts([prompt_tokens])[0],
                                           SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
     engine_tokens = []
     while engine.has_unfinished():
         engine_tokens.append(sum(c.num_new_tokens for c in engine.step().scheduled.chunks))
-    assert engine_tokens == sim_tokens
-    assert [round(s, 9) for s in slept] == sim_step_s
+    return result, (sim_tokens, sim_step_s), (engine_tokens, [round(s, 9) for s in slept])
 
+
+def test_the_simulator_and_the_engine_verify_the_same_drafts_probes_included():
+    """One policy, one scheduler: a simulated request whose drafts are never
+    accepted verifies k drafts until its acceptance EWMA falls under the
+    threshold, then one-draft probes whose wait doubles (16, 32, 64 steps),
+    and each step is priced with the drafts it carries (a probe: its one
+    draft token and one proposer pass). The engine under `kvserve serve
+    --simulate` runs the same steps at the same cost."""
+    policy = SpeculativeConfig(num_speculative_tokens=4)  # the default policy: probes after 16 steps
+    speculation = SimSpeculation(acceptance_rate=0.0, proposer_cost_s=1e-3, config=policy)
+    result, simulated, served = simulated_and_served_steps(speculation, prompt_tokens=30, max_tokens=150)
+    assert served == simulated
+    sim_tokens, sim_step_s = simulated
     verifies = [step for step, n in enumerate(sim_tokens) if n > 1 and step > 0]
     assert verifies == [1, 2, 3, 19, 51, 115]  # 3 verifications of 4, then probes 16, 32 and 64 steps apart
     assert [sim_tokens[s] for s in verifies] == [5, 5, 5, 2, 2, 2]
@@ -113,6 +122,24 @@ def test_the_simulator_and_the_engine_verify_the_same_drafts_probes_included():
     assert sim_step_s[4] == 0.006  # a plain decode
     stats = result.replicas[0]
     assert (stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]) == (3 * 4 + 3, 0)
+
+
+def test_drafts_the_budget_trims_still_cost_the_proposer_the_passes_it_ran():
+    """A token budget of 3 leaves room for 2 of a decode's 4 drafts: the
+    proposer had already run 4 passes, and both the simulator and `serve
+    --simulate` price the step with them (5 ms + 1 ms a sequence + 2 ms of
+    drafts + 4 ms of proposing), not with the 2 verified."""
+    speculation = SimSpeculation(acceptance_rate=0.5, proposer_cost_s=1e-3,
+                                 config=SpeculativeConfig(num_speculative_tokens=4, min_acceptance_rate=0.0))
+    _, simulated, served = simulated_and_served_steps(speculation, prompt_tokens=10, max_tokens=20,
+                                                      max_num_batched_tokens=3)
+    assert served == simulated
+    tokens, step_s = simulated
+    # 3 steps of prefill (3 tokens each), then the prompt's last token with 2
+    # drafts, and so on; near max_tokens the proposer itself is asked for 3,
+    # then 2 drafts (11 and 10 ms), and the last token has room for none.
+    assert tokens == [3] * 15 + [1]
+    assert step_s == [0.008] * 3 + [0.012] * 10 + [0.011, 0.010, 0.006]
 
 
 def test_simulate_sizes_the_kv_cache_net_of_a_draft_models_weights_and_cache(tmp_path):

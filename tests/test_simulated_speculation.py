@@ -69,6 +69,7 @@ def test_a_verifying_step_takes_the_proposers_time_too():
     chunks = [SimpleNamespace(request=SimpleNamespace(request_id=rid), start=10, num_new_tokens=1 + len(drafts),
                               samples=True, spec_token_ids=drafts, is_decode=True)
               for rid, drafts in (("a", (11, 11, 11)), ("b", (11,)), ("c", ()))]
-    out = runner.execute(SimpleNamespace(chunks=chunks))
+    # The speculator proposed 4 drafts for "a" (its longest): the scheduler kept 3.
+    out = runner.execute(SimpleNamespace(chunks=chunks), num_draft_passes=4)
     assert out.num_accepted == {"a": 3, "b": 1}  # acceptance 1: every draft; c verified none
-    assert abs(slept[0] - (cost.step_time_s(chunk_shape(chunks)) + 3 * 0.002)) < 1e-9  # the longest draft's 3 passes
+    assert abs(slept[0] - (cost.step_time_s(chunk_shape(chunks)) + 4 * 0.002)) < 1e-9  # the proposer's 4 passes

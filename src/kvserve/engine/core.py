@@ -463,6 +463,8 @@ class EngineCore:
         speculator = self.speculator
         if speculator is not None:
             extra["draft_probs"] = speculator.draft_probs
+            if speculator.placeholder_token_id is not None:  # a simulated runner prices the proposer too
+                extra["num_draft_passes"] = speculator.num_draft_passes
         if self.lora_slots is not None:
             extra["adapters"] = self.adapters.by_id()
         sampled = self.runner.execute(scheduled, self._sampling_states, **extra)

@@ -88,6 +88,10 @@ class Speculator:
         self.draft_model = draft_model
         self.totals = SpecDecodeCounts(config.num_speculative_tokens)
         self.propose_s = 0.0  # wall time spent proposing, in total (the draft overhead)
+        # The longest draft asked of the proposer for the coming step: a draft
+        # model's passes over the batch, run whatever the scheduler then trims
+        # or drops (a simulated runner prices them, as sim/speculation.py does).
+        self.num_draft_passes = 0
         # request_id -> [k, V]: the draft model's distributions of the drafts
         # now on its request, read by the next step's verification.
         self.draft_probs: dict[str, "Tensor"] = {}
@@ -114,6 +118,7 @@ class Speculator:
         speculate (`sampling_states`: requests whose sampling keeps state)."""
         started_s = time.perf_counter()
         self.draft_probs = {}
+        self.num_draft_passes = 0
         self._propose(sampling_states)
         self.propose_s += time.perf_counter() - started_s
 
@@ -124,6 +129,7 @@ class Speculator:
         chosen = [(r, k) for r in decoding
                   if (k := self.policy.drafts_allowed(r.request_id, self._num_drafts(r, sampling_states),
                                                       len(decoding))) > 0]
+        self.num_draft_passes = max((k for _, k in chosen), default=0)
         if self.draft_model is not None:
             if chosen:
                 self.draft_probs = self.draft_model.propose(chosen)

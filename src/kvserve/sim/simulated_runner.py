@@ -76,20 +76,24 @@ class SimulatedRunner:
         """Nothing is resident: a simulated replica holds no weights and no KV tensor."""
         return {"weights": 0, "kv_cache": 0, "workspace": 0}
 
-    def execute(self, scheduler_output, sampling_states=None, draft_probs=None) -> SampledTokens:
-        """One step: sleep its modelled time (and the proposer's, for the
-        drafts it verifies), sample a word for each chunk that samples, draw
-        how many of each verification's drafts are accepted. sampling_states
-        (the engine's per-request sampling: penalties, grammars) are not
-        applied: a simulated replica emits words, not constrained output;
-        draft_probs (a draft model's distributions) are not needed."""
+    def execute(self, scheduler_output, sampling_states=None, draft_probs=None,
+                num_draft_passes: int = 0) -> SampledTokens:
+        """One step: sleep its modelled time and the proposer's
+        (`num_draft_passes`: the longest draft the engine's speculator
+        proposed for this step, priced as asked, as the simulator does, even
+        where the scheduler trimmed or dropped drafts for want of budget or
+        room), sample a word for each chunk that samples, draw how many of
+        each verification's drafts are accepted. sampling_states (the
+        engine's per-request sampling: penalties, grammars) are not applied:
+        a simulated replica emits words, not constrained output; draft_probs
+        (a draft model's distributions) are not needed."""
         chunks = scheduler_output.chunks
         if not chunks:
             return SampledTokens({}, {})
         step_s = self.cost_model.step_time_s(chunk_shape(chunks))
         accepted = self._judge(chunks)
-        if accepted:
-            step_s += self.speculation.proposer_time_s(max(len(c.spec_token_ids) for c in chunks))
+        if self.speculation is not None:
+            step_s += self.speculation.proposer_time_s(num_draft_passes)
         now = self.clock()
         last = self._last_end_s
         start = last if last is not None and 0.0 <= now - last <= BACK_TO_BACK_S else now

@@ -95,8 +95,23 @@ def test_a_probe_fails_against_the_bar_of_its_own_step():
         waits.append(wait)
         policy.record("r", 1, 0)
     assert waits == [16, 32, 64]
-    # One accepted probe at batch 8: 0.075 -> 0.54, still under 0.73, so the
-    # wait goes on doubling; at batch 1 it is over the bar.
+    # An accepted probe at batch 8 (0.075 -> 0.54, still under 0.73): the
+    # next probe comes at the next step; a rejected one doubles the wait again.
     wait, _ = steps_until_allowed(policy, "r", num_decode_seqs=8)
     policy.record("r", 1, 1)
-    assert wait == 128 and policy.drafts_allowed("r", 4, 8) == 0 and policy.drafts_allowed("r", 4, 1) == 4
+    assert wait == 128 and policy.drafts_allowed("r", 4, 8) == 1
+    policy.record("r", 1, 0)
+    assert steps_until_allowed(policy, "r", num_decode_seqs=8) == (256, 1)
+
+
+def test_a_copying_request_recovers_from_one_miss_at_batch_8_in_two_probes():
+    """At 0.9, a verification of 4 with none accepted drops the rate to 0.45:
+    under batch 8's bar (0.73). One accepted probe (0.72) is not enough; the
+    next comes at once, and a second (0.86) has it speculate again."""
+    policy = measured(SpeculationPolicy(SpeculativeConfig(probe_interval_steps=16)), "r", 10, 9)
+    policy.record("r", 4, 0)
+    assert steps_until_allowed(policy, "r", num_decode_seqs=8) == (16, 1)
+    policy.record("r", 1, 1)
+    assert policy.drafts_allowed("r", 4, 8) == 1
+    policy.record("r", 1, 1)
+    assert policy.drafts_allowed("r", 4, 8) == 4

@@ -28,10 +28,13 @@ where the step is already large. The rule, per step:
   is picked up again. A probe verifies one draft, not k: its row costs
   little where k rows cost much, and one accepted draft lifts the EWMA by
   half the way to 1. The first probe comes `probe_interval_steps` (16) steps
-  after the request's last verification, and each failed probe doubles that
-  wait (up to 16x: 256 steps), so a request that never repeats itself pays
-  O(log steps) probes, not one in 16; a probe that recovers the rate resets
-  the wait. A step whose proposer finds no draft does not use up the probe:
+  after the request's last verification, and each failed probe (its draft
+  rejected) doubles that wait (up to 16x: 256 steps), so a request that
+  never repeats itself pays O(log steps) probes, not one in 16; a probe that
+  recovers the rate resets the wait. From batch 4 one accepted draft may not
+  lift the rate over the bar (0.45 -> 0.72 against 0.73 at batch 8: a
+  copying answer after one miss); the next probe then comes at the next
+  step, not after another wait. A step whose proposer finds no draft does not use up the probe:
   it stays due until one is verified. A request under the bar at one batch
   speculates again as soon as the batch is small enough for its rate;
 - no request speculates in a step that decodes more than
@@ -64,6 +67,7 @@ class _RequestAcceptance:
     rate: float = 1.0
     steps_since_verified: int = 0  # steps asked about since its last verification
     failed_probes: int = 0  # in a row, since its rate was last over the threshold
+    probe_due: bool = False  # its last probe's draft was accepted, its rate still under: probe again now
     # The threshold of the step it last asked about: its next verification is
     # that step's, a probe if its rate was under it.
     threshold: float | None = None
@@ -102,7 +106,8 @@ class SpeculationPolicy:
             return num_drafts
         state.steps_since_verified += 1
         wait = self.config.probe_interval_steps * min(2 ** state.failed_probes, MAX_PROBE_BACKOFF)
-        return min(num_drafts, PROBE_DRAFTS) if state.steps_since_verified >= wait else 0
+        due = state.probe_due or state.steps_since_verified >= wait
+        return min(num_drafts, PROBE_DRAFTS) if due else 0
 
     def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         """One verification's outcome for a request (of the step it last
@@ -112,8 +117,11 @@ class SpeculationPolicy:
         was_probe = state.rate < threshold
         state.rate += ACCEPTANCE_EWMA_WEIGHT * (num_accepted / num_proposed - state.rate)
         state.steps_since_verified = 0
+        state.probe_due = False
         if state.rate >= threshold:
             state.failed_probes = 0
+        elif was_probe and num_accepted == num_proposed:
+            state.probe_due = True
         elif was_probe:
             state.failed_probes += 1
 

@@ -93,15 +93,43 @@ def test_profile_command_writes_a_curve_that_simulate_reads(tmp_path, capsys):
     assert document["step_jitter"]["num_ratios"] == len(document["step_jitter"]["ratios"]) \
         == 3 * len(document["samples"])
     printed = capsys.readouterr().out
-    assert "curve: 1:" in printed and "step jitter" in printed
+    assert "curve: 1:" in printed and "step jitter" in printed and "serving loop overhead" in printed
+    loop = document["serving_loop"]
+    assert loop["num_steps"] == 6 * 23 and loop["overhead_per_step_s"] > 0  # 6 requests of 24 tokens
     rc = main(["simulate", "--model", str(folder), "--hardware", str(out), "--workload", "short",
                "--num-requests", "6", "--rate", "2", "--out", str(tmp_path / "sim")])
     assert rc == 0
     report = json.loads((tmp_path / "sim" / "report.json").read_text())
     assert report["summary"]["outcomes"]["success"] == 6
-    applied = report["config"]["simulation"]["cost_model"]["step_jitter"]
-    assert applied["num_ratios"] == document["step_jitter"]["num_ratios"] and applied["seed"] == 0
+    applied = report["config"]["simulation"]["cost_model"]
+    assert applied["step_jitter"]["num_ratios"] == document["step_jitter"]["num_ratios"]
+    assert applied["step_jitter"]["seed"] == 0
+    assert applied["serving_overhead_s"] == loop["overhead_per_step_s"]
     with pytest.raises(SystemExit):
         main(["profile", "--tokens", "1,x"])
     with pytest.raises(ValueError, match=">= 1"):
         ProfileGrid(tokens=(0, 4))
+
+
+def test_the_serving_loop_times_each_decode_step_through_the_async_engine():
+    import random
+
+    from kvserve.engine.profile import time_serving_loop
+
+    core = tiny_engine(tiny_llama(), num_blocks=128, max_num_batched_tokens=64)
+    timing = time_serving_loop(core, random.Random(0), num_requests=3, prompt_tokens=8, new_tokens=6)
+    assert not core.has_unfinished()
+    assert timing.num_steps == 3 * 5  # one decode step per token after each request's first
+    # The loop's own work between steps (the handoff, admission's turn) is never free.
+    assert timing.mean_step_s > 0 and timing.overhead_per_step_s > 0
+
+
+def test_profile_refuses_a_negative_serving_loop(tmp_path, capsys):
+    from kvserve.cli import main
+
+    from .test_loader import tiny_hf_folder
+
+    folder = tiny_hf_folder(tmp_path / "model", "llama")
+    rc = main(["profile", "--model", str(folder), "--kv-cache-memory", "4MiB", "--device", "cpu",
+               "--serving-loop-requests", "-1", "--out", str(tmp_path / "p.json")])
+    assert rc == 2 and "--serving-loop-requests must be >= 0" in capsys.readouterr().err

@@ -280,3 +280,27 @@ def test_profile_jitter_round_trips_and_bad_jitter_is_a_clear_error(tmp_path):
         path.write_text(json.dumps({**document, "step_jitter": bad}))
         with pytest.raises(ValueError, match="step.jitter"):
             load_profile(path)
+
+
+def test_serving_overhead_is_charged_to_every_step_and_round_trips(tmp_path):
+    plain = LinearCostModel(0.01, 1e-4, 1e-3, 0.0)
+    served = LinearCostModel(0.01, 1e-4, 1e-3, 0.0, serving_overhead_s=0.002)
+    for shape in (StepShape(0, 1, 50, 50), StepShape(100, 0, 100, 5050), StepShape(16, 4, 300, 500)):
+        assert served.step_time_s(shape) == pytest.approx(plain.step_time_s(shape) + 0.002)
+    assert served.step_time_s(StepShape(0, 0, 0, 0)) == 0.0  # no step, no handoff
+    assert served.describe()["serving_overhead_s"] == 0.002
+    document = profile_json(served, {"r2": 1.0}, {"num_blocks": 64}, {}, [], {"num_steps": 40})
+    assert document["serving_loop"]["overhead_per_step_s"] == 0.002
+    assert document["serving_loop"]["num_steps"] == 40
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(document))
+    assert load_profile(path).serving_overhead_s == 0.002
+    del document["serving_loop"]  # a profile from before the serving loop was timed
+    path.write_text(json.dumps(document))
+    assert load_profile(path).serving_overhead_s == 0.0
+    path.write_text(json.dumps({**document, "serving_loop": {"overhead_per_step_s": "slow"}}))
+    with pytest.raises(ValueError, match="serving_loop"):
+        load_profile(path)
+    for bad in (-0.001, float("nan")):
+        with pytest.raises(ValueError, match="serving_overhead_s"):
+            LinearCostModel(0.01, 0.0, 0.0, 0.0, serving_overhead_s=bad)

@@ -240,3 +240,21 @@ def test_simulate_cli_takes_a_frontend_latency(tmp_path, capsys):
     assert b["ttft"]["p50"] == pytest.approx(a["ttft"]["p50"] + 0.020, abs=1e-9)
     assert b["tpot"]["p50"] == pytest.approx(a["tpot"]["p50"], abs=1e-12)
     assert main([*args, "--frontend-latency-ms", "-1", "--out", str(out / "c")]) != 0
+
+
+def test_the_serving_overhead_lengthens_every_simulated_step():
+    # The same run on a profile that measured 4 ms of serving loop per
+    # step: each token gap is one step, so every gap and every TTFT (one
+    # prefill step for a request alone) grows by exactly 4 ms.
+    import dataclasses
+
+    workload, config = fixed_mix(64, 8), replica_config(None)
+    specs = generate_requests(workload, 10, seed=1)
+    offsets = [2.0 * i for i in range(10)]  # each request alone
+    base = Simulator(config, COST).run(specs, offsets)
+    served = Simulator(config, dataclasses.replace(COST, serving_overhead_s=0.004)).run(specs, offsets)
+    assert len(base.records) == len(served.records) == 10
+    for a, b in zip(base.records, served.records):
+        assert b.token_events[0][0] - b.sent_s == pytest.approx(a.token_events[0][0] - a.sent_s + 0.004, abs=1e-9)
+        assert _gaps(b) == pytest.approx([gap + 0.004 for gap in _gaps(a)], abs=1e-9)
+        assert len(_gaps(a)) == 7

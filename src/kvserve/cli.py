@@ -21,7 +21,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kvserve.bench.cli", "Load-test any OpenAI-compatible server against an SLO."),
     "plan": ("kvserve.plan.cli", "Capacity math: KV bytes, concurrency, queueing, replicas."),
     "simulate": ("kvserve.sim.cli", "Simulate the real scheduler on a hardware cost model."),
-    "profile": ("kvserve.engine.profile", "Time real engine steps and fit a local cost model."),
+    "profile": ("kvserve.engine.profile", "Time real engine steps and the serving loop between them; fit a "
+                                          "local cost model."),
 }
 
 

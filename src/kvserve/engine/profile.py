@@ -17,6 +17,14 @@ Each grid point is timed `--repeats` times and the fit takes the median;
 every repeat over that median is kept as the machine's step jitter, which
 `kvserve simulate` applies to its steps (`--step-jitter`).
 
+Last, the serving loop: a few requests, one at a time, run through the
+server's own AsyncEngine thread with an event loop reading every stream and
+encoding each output as an SSE chunk, as the server's streaming does. The
+time a decode step takes there beyond its `EngineCore.step()` (the engine
+thread handing the outputs to the event loop and waiting for the GIL while
+the event loop works) is the profile's serving overhead per step, which
+`kvserve simulate` charges to every step.
+
     kvserve profile --kv-cache-memory 1GiB --out profile.json
     kvserve simulate --model M --hardware profile.json ...
 """
@@ -43,6 +51,10 @@ if TYPE_CHECKING:  # imported when profiling starts, so `--help` does not load t
 DEFAULT_SWEEP_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 # Fewer repeats say nothing of the spread: the median of two is one of them.
 MIN_JITTER_REPEATS = 3
+# The serving loop's requests: a short workload's prompt and output, about.
+SERVING_LOOP_REQUESTS = 6
+SERVING_LOOP_PROMPT_TOKENS = 48
+SERVING_LOOP_NEW_TOKENS = 24
 
 
 class TimedSteps(NamedTuple):
@@ -77,6 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "around it is the step jitter `kvserve simulate` applies (3 or more)")
     parser.add_argument("--time-budget", type=float, default=300.0,
                         help="stop measuring after this many seconds and fit what was timed")
+    parser.add_argument("--serving-loop-requests", type=int, default=SERVING_LOOP_REQUESTS,
+                        help="requests (one at a time, batch-1 decode) run last through the server's async "
+                             "engine loop with an event loop streaming their outputs: the mean time a served "
+                             "step takes beyond EngineCore.step() (the outputs' handoff to the event loop, "
+                             "the GIL the two threads share) is the profile's serving overhead, which "
+                             "`kvserve simulate` adds to every step; 0 skips it (no overhead)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens")
     parser.add_argument("--out", default="profile.json", help="where to write the profile JSON")
 
@@ -121,12 +139,16 @@ class _StepTimer:
                 self.jitter.extend(t / median for _, t in measured)
 
 
-def _add(core: EngineCore, rng: random.Random, num_tokens: int, max_tokens: int):
+def _new_request(core: EngineCore, rng: random.Random, num_tokens: int, max_tokens: int):
     from kvserve.contract import SamplingParams
 
     vocab = core.model_config.vocab_size
     prompt = [rng.randrange(10, vocab) for _ in range(num_tokens)]  # unique: no prefix hits
-    request = core.new_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return core.new_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def _add(core: EngineCore, rng: random.Random, num_tokens: int, max_tokens: int):
+    request = _new_request(core, rng, num_tokens, max_tokens)
     core.add_request(request)
     return request
 
@@ -209,6 +231,91 @@ def _measure_context(core: EngineCore, timer: _StepTimer, rng: random.Random, co
         core.abort(request.request_id)
 
 
+class ServingLoopTiming(NamedTuple):
+    overhead_per_step_s: float  # mean: a request's TPOT is the mean of its steps' periods
+    mean_step_s: float  # EngineCore.step() of the same steps
+    num_steps: int
+
+
+def time_serving_loop(core: EngineCore, rng: random.Random, num_requests: int = SERVING_LOOP_REQUESTS,
+                      prompt_tokens: int = SERVING_LOOP_PROMPT_TOKENS,
+                      new_tokens: int = SERVING_LOOP_NEW_TOKENS) -> ServingLoopTiming:
+    """Batch-1 decode through AsyncEngine, requests one after another, each
+    stream read on an event loop (uvloop when installed, as the server
+    runs): the mean time between consecutive tokens of a request minus the
+    mean `EngineCore.step()` of the same decode steps. The event loop does
+    what the server's does per step besides HTTP: each stream's outputs
+    encoded as SSE chunks, the step's metrics recorded. The core must be
+    idle; it is left idle."""
+    from kvserve.engine.async_engine import AsyncEngine, Finished
+    from kvserve.metrics import ServerMetrics
+
+    decode_step_s: list[float] = []
+    periods_s: list[float] = []
+    # The event loop records each step's metrics as the server's does
+    # (Serving._on_step): part of its work per step.
+    metrics = ServerMetrics("profile", 1.0, 0.1, core.max_model_len)
+
+    def on_step(report) -> None:
+        if report.num_decode_seqs == 1 and report.num_prefill_tokens == 0:
+            decode_step_s.append(report.step_s)
+        for done in report.finished:
+            metrics.record_finished(done.timestamps, done.num_prompt_tokens, done.num_output_tokens,
+                                    done.finish_reason)
+        metrics.record_step(report.num_decode_seqs, report.num_prefill_tokens, report.step_s)
+        if report.stats is not None:
+            metrics.record_stats(report.stats, report.num_deferred)
+        metrics.record_contexts(report.running_context_tokens, report.waiting_context_tokens)
+
+    async def serve_one(engine: AsyncEngine) -> None:
+        request = _new_request(core, rng, prompt_tokens, new_tokens)
+        stream = engine.add(request)
+        while not isinstance(item := await stream.next(), Finished):
+            _sse_chunk(request.request_id, item)
+        stamps = item.timestamps.token_times
+        periods_s.extend(b - a for a, b in zip(stamps, stamps[1:]))
+
+    async def serve_all() -> None:
+        engine = AsyncEngine(core, on_step=on_step)
+        engine.start()
+        try:
+            for _ in range(num_requests):
+                await serve_one(engine)
+        finally:
+            await engine.stop()
+
+    _event_loop_runner()(serve_all())
+    # One step per period: the requests ran alone, so each decode step
+    # gave one request's next token.
+    num_steps = min(len(periods_s), len(decode_step_s))
+    if num_steps == 0:
+        raise ValueError("the serving loop timed no decode steps (new tokens must be >= 2)")
+    mean_step_s = sum(decode_step_s) / len(decode_step_s)
+    overhead_s = max(0.0, sum(periods_s) / len(periods_s) - mean_step_s)
+    return ServingLoopTiming(overhead_s, mean_step_s, num_steps)
+
+
+def _event_loop_runner():
+    """What runs the server's event loop: uvloop's when installed (uvicorn
+    picks it then), asyncio's otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        import asyncio
+
+        return asyncio.run
+    return uvloop.run
+
+
+def _sse_chunk(request_id: str, output) -> bytes:
+    """The event loop's work per output, as the server's streaming does it:
+    one OpenAI completion chunk as an SSE event."""
+    chunk = {"id": request_id, "object": "text_completion", "model": "profile",
+             "choices": [{"index": 0, "text": output.new_text, "logprobs": None,
+                          "finish_reason": output.finish_reason}]}
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         document = profile(args)
@@ -230,6 +337,10 @@ def run(args: argparse.Namespace) -> int:
               f" + {c['per_decode_seq_s'] * 1e6:.1f} us/decode seq"
               f" + {c['per_kv_token_read_s'] * 1e9:.1f} ns/KV token read"
               f" + {c['per_attention_pair_s'] * 1e9:.3f} ns/attention pair")
+    loop = document["serving_loop"]
+    if loop["num_steps"]:
+        print(f"  + {loop['overhead_per_step_s'] * 1e3:.2f} ms/step serving loop overhead (batch-1 decode "
+              f"through the async engine: {loop['num_steps']} steps of {loop['mean_step_s'] * 1e3:.2f} ms)")
     jitter = document["step_jitter"]
     if jitter:
         print(f"  step jitter (each repeat over its median, {jitter['num_ratios']} steps): p90 {jitter['p90']:.2f}x,"
@@ -244,11 +355,16 @@ def profile(args: argparse.Namespace) -> dict:
 
     grid = ProfileGrid(tuple(args.prefill_tokens), tuple(args.decode_batch), tuple(args.context),
                        args.repeats, args.time_budget, args.seed, tuple(args.tokens))
+    if args.serving_loop_requests < 0:
+        raise ValueError(f"--serving-loop-requests must be >= 0, got {args.serving_loop_requests}")
     set_torch_threads(args.torch_threads)
     loaded = load_model(args.model, quantization=args.quantization)
     config = engine_config(args)
     core = EngineCore(loaded.config, loaded.weights, loaded.tokenizer, config)
     samples, jitter = time_engine_steps(core, grid)
+    loop = ServingLoopTiming(0.0, 0.0, 0)
+    if args.serving_loop_requests:
+        loop = time_serving_loop(core, random.Random(grid.seed + 1), args.serving_loop_requests)
     from kvserve.runner.model_runner import kv_bytes_per_block
 
     engine = {"kv_cache_memory_bytes": config.kv_cache_memory_bytes, "num_blocks": core.runner.num_blocks,
@@ -257,7 +373,8 @@ def profile(args: argparse.Namespace) -> dict:
               "max_num_batched_tokens": args.max_num_batched_tokens}
     model, stats = fit_linear_cost_model(samples, source="kvserve profile", engine=engine,
                                          token_knots=swept_tokens(samples, grid))
-    model = replace(model, step_jitter=tuple(jitter))
+    model = replace(model, step_jitter=tuple(jitter), serving_overhead_s=loop.overhead_per_step_s)
     about = {"model": loaded.source, "dtype": args.dtype, "device": str(core.runner.device),
              "measured_at_unix_s": time.time()}
-    return profile_json(model, stats, engine, about, samples)
+    return profile_json(model, stats, engine, about, samples,
+                        {"num_steps": loop.num_steps, "mean_step_s": loop.mean_step_s})

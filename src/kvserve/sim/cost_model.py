@@ -24,6 +24,14 @@ repeat of a timed shape over the median of its repeats), and
 `JitteredCostModel` multiplies each simulated step by a ratio drawn from
 it, so a simulated tail (p99 TTFT is about one step at low load) carries
 the machine's variation and not only the model's.
+
+A served step costs more than the step: between two steps the server's
+engine thread hands the step's outputs to the event loop that streams them
+(async_engine.py), and the two threads share the GIL, so the engine waits
+while the event loop turns the outputs into SSE. `kvserve profile` times
+that wait through the same AsyncEngine loop with a consumer reading every
+stream, and `LinearCostModel.serving_overhead_s` charges it to every
+simulated step.
 """
 
 from __future__ import annotations
@@ -89,6 +97,7 @@ LINEAR_FEATURES = ("intercept_s", "per_prefill_token_s", "per_decode_seq_s",
 class LinearCostModel:
     """step_time = intercept + curve(tokens) + a x prefill tokens
                    + b x decode seqs + c x KV tokens read + d x attention pairs
+                   + serving overhead
 
     with every coefficient >= 0 and tokens = prefill tokens + decode seqs.
     curve(tokens) is 0 without `token_knots`; with them it is the piecewise
@@ -113,10 +122,15 @@ class LinearCostModel:
     # its repeats (empty: not measured). The model itself predicts the
     # median; `JitteredCostModel` applies these.
     step_jitter: tuple[float, ...] = ()
+    # The serving loop's time between two steps (the outputs' handoff to
+    # the event loop, measured by `kvserve profile` through AsyncEngine):
+    # a served step occupies the engine this much longer than
+    # `EngineCore.step()`, which the coefficients were fitted to.
+    serving_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in LINEAR_FEATURES:
-            if getattr(self, name) < 0:
+        for name in (*LINEAR_FEATURES, "serving_overhead_s"):
+            if not getattr(self, name) >= 0:  # `not >=` also refuses NaN
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         _check_jitter_ratios(self.step_jitter)
         knots, values = self.token_knots, self.token_knot_s
@@ -146,7 +160,7 @@ class LinearCostModel:
     def step_time_s(self, shape: StepShape) -> float:
         if shape.num_tokens == 0:
             return 0.0
-        t = (self.intercept_s + self.per_prefill_token_s * shape.num_prefill_tokens
+        t = (self.intercept_s + self.serving_overhead_s + self.per_prefill_token_s * shape.num_prefill_tokens
              + self.per_decode_seq_s * shape.num_decode_seqs
              + self.per_kv_token_read_s * shape.kv_tokens_read
              + self.per_attention_pair_s * shape.attention_pairs)
@@ -161,6 +175,8 @@ class LinearCostModel:
             described["token_curve"] = {"tokens": list(self.token_knots), "step_s": list(self.token_knot_s)}
         if self.step_jitter:
             described["step_jitter_measured"] = jitter_summary(self.step_jitter)
+        if self.serving_overhead_s:
+            described["serving_overhead_s"] = self.serving_overhead_s
         return described
 
 
@@ -284,9 +300,13 @@ def load_profile(path: Path) -> LinearCostModel | HardwareProfile:
             jitter = tuple(float(r) for r in (raw.get("step_jitter") or {}).get("ratios", ()))
         except (TypeError, ValueError, AttributeError):
             raise ValueError(f"profile {str(path)!r}: step_jitter needs a list 'ratios' of numbers") from None
+        try:  # profiles written before the serving loop was timed have none
+            overhead = float((raw.get("serving_loop") or {}).get("overhead_per_step_s", 0.0))
+        except (TypeError, ValueError, AttributeError):
+            raise ValueError(f"profile {str(path)!r}: serving_loop needs a number 'overhead_per_step_s'") from None
         return LinearCostModel(**{n: float(coefficients[n]) for n in LINEAR_FEATURES},
                                source=str(path), engine=engine, token_knots=knots, token_knot_s=knot_s,
-                               step_jitter=jitter)
+                               step_jitter=jitter, serving_overhead_s=overhead)
     if kind == "hardware":
         return HardwareProfile(name=str(raw.get("name", Path(path).stem)),
                                flops_per_s=float(raw["flops_per_s"]),
@@ -431,13 +451,18 @@ def _nnls(a, b):
 
 
 def profile_json(model: LinearCostModel, stats: dict, engine: dict, about: dict,
-                 samples: list[tuple[StepShape, float]]) -> dict:
-    """The document `kvserve profile` writes and `--hardware PATH` reads."""
+                 samples: list[tuple[StepShape, float]], serving_loop: dict | None = None) -> dict:
+    """The document `kvserve profile` writes and `--hardware PATH` reads.
+    `serving_loop`: what the serving loop's timing measured besides the
+    model's overhead (steps, their mean), kept beside it."""
     curve = {"tokens": list(model.token_knots), "step_s": list(model.token_knot_s)} if model.token_knots else None
     jitter = None
     if model.step_jitter:
         jitter = {"about": "each timed repeat of a shape over the median of its repeats",
                   **jitter_summary(model.step_jitter), "ratios": [round(r, 4) for r in model.step_jitter]}
+    loop = {"about": "mean time per step the serving loop adds to EngineCore.step() (the outputs' handoff "
+                     "to the event loop); charged to every simulated step",
+            **(serving_loop or {}), "overhead_per_step_s": model.serving_overhead_s}
     return {"kind": "linear", "coefficients": {n: getattr(model, n) for n in LINEAR_FEATURES},
-            "token_curve": curve, "step_jitter": jitter, "fit": stats, "engine": engine, "about": about,
-            "samples": [{**s._asdict(), "step_s": t} for s, t in samples]}
+            "token_curve": curve, "step_jitter": jitter, "serving_loop": loop, "fit": stats, "engine": engine,
+            "about": about, "samples": [{**s._asdict(), "step_s": t} for s, t in samples]}

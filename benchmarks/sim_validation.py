@@ -5,7 +5,8 @@
 2. `kvserve profile` times real engine steps with the same
    engine settings just before and just after `kvserve bench` runs a
    workload against the server, and one cost model is fitted to both sets of
-   steps; a few probe requests measure the time a client sees beyond the
+   steps (with the mean of their serving loop overheads: the time a served
+   step takes beyond the engine step); a few probe requests measure the time a client sees beyond the
    server's own TTFT (HTTP, streaming: `--frontend-latency-ms`), and
    others, before and after the bench run, the live server's batch-1
    decode step;
@@ -91,10 +92,13 @@ def bracket(before: str, after: str, path: Path) -> str:
     knots = sorted({n for doc in docs for n in (doc.get("token_curve") or {}).get("tokens", ())})
     model, stats = fit_linear_cost_model(samples, "bracketed kvserve profile", docs[0]["engine"],
                                          token_knots=tuple(knots))
-    # The step jitter both profiles measured (each repeat over its median).
+    # The step jitter both profiles measured (each repeat over its median),
+    # and the mean of their serving loop overheads.
     jitter = [r for doc in docs for r in (doc.get("step_jitter") or {}).get("ratios", ())]
-    model = dataclasses.replace(model, step_jitter=tuple(jitter))
-    path.write_text(json.dumps(profile_json(model, stats, docs[0]["engine"], docs[0]["about"], samples)))
+    overheads = [(doc.get("serving_loop") or {}).get("overhead_per_step_s", 0.0) for doc in docs]
+    model = dataclasses.replace(model, step_jitter=tuple(jitter), serving_overhead_s=statistics.mean(overheads))
+    loop = {"bracketed_overheads_s": overheads}
+    path.write_text(json.dumps(profile_json(model, stats, docs[0]["engine"], docs[0]["about"], samples, loop)))
     return str(path)
 
 
@@ -201,6 +205,8 @@ def calibrated(profile: str, live_step_s: float, path: Path) -> tuple[str, float
     scale = live_step_s / predicted
     doc = json.loads(Path(profile).read_text())
     doc["coefficients"] = {k: v * scale for k, v in doc["coefficients"].items()}
+    if doc.get("serving_loop"):  # the probes' gaps hold it too: the whole served step is scaled
+        doc["serving_loop"]["overhead_per_step_s"] *= scale
     if doc.get("token_curve"):
         doc["token_curve"]["step_s"] = [t * scale for t in doc["token_curve"]["step_s"]]
     doc["about"] = {**doc.get("about", {}), "calibration": {"live_decode_step_s": live_step_s,
@@ -347,7 +353,9 @@ def measure_rate(args: argparse.Namespace, out: Path, run: Run, gguf: str) -> di
     _, scale = calibrated(profile, live_step_s, out / f"profile_{key}_calibrated.json")
     profile_doc = json.loads(Path(profile).read_text())
     jitter = {k: v for k, v in (profile_doc.get("step_jitter") or {}).items() if k != "ratios"}
-    return {**profile_doc["fit"], "step_jitter": jitter, "frontend_latency_s": frontend_s,
+    overhead_s = (profile_doc.get("serving_loop") or {}).get("overhead_per_step_s", 0.0)
+    return {**profile_doc["fit"], "step_jitter": jitter, "serving_overhead_s": overhead_s,
+            "frontend_latency_s": frontend_s,
             "live_decode_step_s": live_step_s, "calibration_scale": scale,
             "live_decode_step_before_s": statistics.median(gaps_before),
             "live_decode_step_after_s": statistics.median(gaps_after)}

@@ -9,9 +9,11 @@ speculator gives requests placeholder drafts (`draft_token_id`) under its
 policy; here each verification's accepted count is drawn at the
 acceptance rate, and the step also takes the proposer's time.
 
-The engine's own work around a step (schedule, update, detokenize) is
-counted inside the modelled step when steps run back to back: a step
-starts where the previous one ended, not when `execute` is called.
+The engine's own work around a step (schedule, update, detokenize, and
+the loop's handoff of the outputs to the event loop, which a profile's
+serving overhead models) is counted inside the modelled step when steps
+run back to back: a step starts where the previous one ended, not when
+`execute` is called.
 """
 
 from __future__ import annotations

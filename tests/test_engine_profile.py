@@ -120,7 +120,7 @@ def test_the_serving_loop_times_each_decode_step_through_the_async_engine():
     timing = time_serving_loop(core, random.Random(0), num_requests=3, prompt_tokens=8, new_tokens=6)
     assert not core.has_unfinished()
     assert timing.num_steps == 3 * 5  # one decode step per token after each request's first
-    # The loop's own work between steps (the handoff, admission's turn) is never free.
+    # The loop's own work between steps (the turn's bookkeeping, the handoff) is never free.
     assert timing.mean_step_s > 0 and timing.overhead_per_step_s > 0
 
 

@@ -55,6 +55,16 @@ def start(tree: Path, port: int, log_path: Path) -> subprocess.Popen:
     return proc
 
 
+def stop(servers: dict[str, subprocess.Popen]) -> None:
+    """Terminate every server, killing one that does not exit within 30 s."""
+    for proc in servers.values():
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def step_totals(client: httpx.Client, base_url: str) -> tuple[float, float]:
     found = dict((kind, float(value)) for kind, value in _STEP.findall(client.get(base_url + "/metrics").text))
     return found.get("sum", 0.0), found.get("count", 0.0)
@@ -109,12 +119,7 @@ def main() -> int:
                         steps[name][0] += after[0] - before[0]
                         steps[name][1] += after[1] - before[1]
     finally:
-        for proc in servers.values():
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(servers)
     load_after = os.getloadavg()
     rows = {}
     print("| tree | TPOT p50 ms | TPOT p90 ms | decode step mean ms |")

@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from served_tpot_ab import start  # noqa: E402
+from served_tpot_ab import start, stop  # noqa: E402
 
 from kvserve.bench.cli import free_port  # noqa: E402
 
@@ -118,12 +118,7 @@ def main() -> int:
                                           "prefill_steps_ms": diff["prefill_steps"][0] * 1e3,
                                           "prefill_steps": diff["prefill_steps"][1]})
     finally:
-        for proc in servers.values():
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(servers)
     load_after = os.getloadavg()
     columns = ["client_ttft_ms", "server_ttft_ms", "queue_ms", "prefill_steps_ms", "prefill_steps"]
     rows = {}

@@ -342,6 +342,25 @@ class ServerMetrics:
         self.step.labels(model_name=self.model_name, kind=kind).observe(step_s)
         self.iteration_tokens.observe(num_decode_seqs + num_prefill_tokens)
 
+    def record_step_report(self, report) -> None:
+        """Everything one engine step (engine.async_engine.StepReport) says
+        that needs nothing but these metrics: queue waits, the step's time,
+        the scheduler's sample, the contexts in flight, draft verifications.
+        The server records its finished requests, adapters and limits beside
+        it; `kvserve profile`'s serving loop records the same, so its event
+        loop does the server's work per step."""
+        for wait in report.queue_waits:
+            self.record_queue_wait(wait.predicted_s, wait.actual_s)
+        self.record_step(report.num_decode_seqs, report.num_prefill_tokens, report.step_s)
+        if report.stats is not None:
+            self.record_stats(report.stats, report.num_deferred)
+        if report.num_decode_seqs or report.num_prefill_tokens:
+            self.record_contexts(report.running_context_tokens, report.waiting_context_tokens)
+        if report.spec_decode is not None:
+            spec = report.spec_decode
+            self.record_spec_decode(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                                    spec.accepted_per_pos)
+
     def record_spec_decode(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
                            accepted_per_pos: list[int]) -> None:
         """One step's draft verifications (the first call exports every position at 0)."""

@@ -262,10 +262,7 @@ def time_serving_loop(core: EngineCore, rng: random.Random, num_requests: int = 
         for done in report.finished:
             metrics.record_finished(done.timestamps, done.num_prompt_tokens, done.num_output_tokens,
                                     done.finish_reason)
-        metrics.record_step(report.num_decode_seqs, report.num_prefill_tokens, report.step_s)
-        if report.stats is not None:
-            metrics.record_stats(report.stats, report.num_deferred)
-        metrics.record_contexts(report.running_context_tokens, report.waiting_context_tokens)
+        metrics.record_step_report(report)
 
     async def serve_one(engine: AsyncEngine) -> None:
         request = _new_request(core, rng, prompt_tokens, new_tokens)

@@ -212,25 +212,15 @@ class Serving:
     # ---- engine events (event loop thread): metrics ---------------------------
 
     def _on_step(self, report: StepReport) -> None:
-        for wait in report.queue_waits:
-            self.metrics.record_queue_wait(wait.predicted_s, wait.actual_s)
         for done in report.finished:
             self._on_finished(done)
-        self.metrics.record_step(report.num_decode_seqs, report.num_prefill_tokens, report.step_s)
-        if report.stats is not None:
-            self.metrics.record_stats(report.stats, report.num_deferred)
-            if self.metrics.max_loras is not None:
-                name_of = self.core.adapters.name_of
-                self.metrics.record_adapters([name_of(i) for i in report.stats.running_adapters],
-                                             [name_of(i) for i in report.stats.waiting_adapters])
-        if report.num_decode_seqs or report.num_prefill_tokens:
-            self.metrics.record_contexts(report.running_context_tokens, report.waiting_context_tokens)
+        self.metrics.record_step_report(report)
+        if report.stats is not None and self.metrics.max_loras is not None:
+            name_of = self.core.adapters.name_of
+            self.metrics.record_adapters([name_of(i) for i in report.stats.running_adapters],
+                                         [name_of(i) for i in report.stats.waiting_adapters])
         if report.limits is not None:
             self._record_limits(report.limits)
-        if report.spec_decode is not None:
-            spec = report.spec_decode
-            self.metrics.record_spec_decode(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                                            spec.accepted_per_pos)
 
     def _record_limits(self, limits: StepLimits) -> None:
         self.metrics.running_cap.set(limits.max_running)

@@ -236,7 +236,9 @@ def test_attention_rows_sharing_a_work_item_get_the_bits_they_get_alone(isa, dty
     """The kernel attends a prefill's query rows several to a work item, tile by
     tile, so the rows of one sequence share each tile's K/V reads; each row still
     does its own work on its own context, so every output equals the same row's
-    attended alone (one row per call), across items spanning two sequences."""
+    attended alone (one row per call), across items spanning two sequences.
+    Decode rows (one per sequence), when there are enough of them, go one row
+    to an item over every KV head: those too must equal the row alone."""
     from types import SimpleNamespace
 
     from kvserve.runner.step_batch import build_step_batch
@@ -244,7 +246,8 @@ def test_attention_rows_sharing_a_work_item_get_the_bits_they_get_alone(isa, dty
 
     h, hkv, block_size = 6, 2, 4
     order = torch.randperm(64, generator=torch.Generator().manual_seed(2)).tolist()  # scattered blocks
-    shapes, blocks = [(0, 203), (9, 6), (70, 1)], [order[:51], order[51:55], order[45:63]]
+    shapes = [(0, 203), (9, 6), (70, 1), (30, 1), (5, 1), (12, 1), (41, 1)]
+    blocks = [order[:51], order[51:55], order[45:63], order[10:18], order[20:22], order[30:34], order[33:44]]
     request = SimpleNamespace(token_ids_slice=lambda start, end: [1] * (end - start))
     chunks = [ScheduledChunk(request, start, n, b, True) for (start, n), b in zip(shapes, blocks)]
     table, lens = build_step_batch(chunks, block_size, torch.device("cpu")).meta.decode_rows()

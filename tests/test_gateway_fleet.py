@@ -162,6 +162,23 @@ def test_bad_input_gets_the_same_4xx_as_a_server(fleet, body):
     assert via.json()["error"]["param"] == server.json()["error"]["param"]
 
 
+BAD_CHAT_BODIES = [
+    {"model": MODEL_NAME, "messages": True, "max_tokens": 2},  # found by the fuzzer: was a 500
+    {"model": MODEL_NAME, "messages": 7, "max_tokens": 2},
+    {"model": MODEL_NAME, "messages": [3, {"role": "user", "content": 5}], "max_tokens": 2},
+]
+
+
+@pytest.mark.parametrize("body", BAD_CHAT_BODIES, ids=range(len(BAD_CHAT_BODIES)))
+def test_bad_chat_input_gets_the_same_4xx_as_a_server(fleet, body):
+    server = httpx.post(fleet["backends"][0].url + "/v1/chat/completions", json=body, timeout=30)
+    via = httpx.post(fleet["least"].url + "/v1/chat/completions", json=body, timeout=30,
+                     headers={"authorization": "Bearer sk-alice"})
+    assert 400 <= server.status_code < 500
+    assert via.status_code == server.status_code, (via.text, server.text)
+    assert via.json()["error"]["code"] == server.json()["error"]["code"]
+
+
 def test_non_json_and_unknown_key_and_huge_bodies(fleet):
     url = fleet["least"].url
     raw = httpx.post(url + "/v1/chat/completions", content=b"{not json", timeout=30,

@@ -236,6 +236,9 @@ def test_inbound_reads_what_routing_needs_and_leaves_bad_fields_to_the_backend()
                          None, {})
     assert (weird.priority, weird.requested_max_tokens, weird.prompt_text) == (0, None, "")
     assert read_inbound("completion", "/v1/completions", b"[1, 2]", None, {}).body is None
+    for messages in (True, 5, "hi", {"role": "user"}, [1, "x", {"role": "user", "content": 5}]):
+        odd = read_inbound("chat", "/v1/chat/completions", json.dumps({"messages": messages}).encode(), None, {})
+        assert odd.prompt_text in ("", "user\n\n"), messages  # read as no text; the backend answers 400
     ids = read_inbound("completion", "/v1/completions", b'{"prompt": [1, 2, 3]}', None, {})
     assert ids.prompt_bytes == b"\x01\x00\x00\x00\x02\x00\x00\x00\x03\x00\x00\x00"  # as the simulator keys tokens
 

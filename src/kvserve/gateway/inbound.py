@@ -86,8 +86,8 @@ def _priority(fields: dict, tenant_priority: int | None) -> int:
 
 def _prompt_text(kind: str, fields: dict) -> str:
     if kind == "chat":
-        parts = []
-        for message in fields.get("messages") or []:
+        parts, messages = [], fields.get("messages")
+        for message in messages if isinstance(messages, list) else []:  # a bad type is the backend's 400
             if not isinstance(message, dict):
                 continue
             content = message.get("content")

@@ -15,7 +15,8 @@
    the profile as measured and with the profile scaled to the live decode
    step (the machine's speed drifts between profiling and serving, and the
    server shares it with its frontend and the bench client), both with the
-   step jitter the profiles measured (`--step-jitter profile`, the median
+   step jitter and the speed drift over seconds the profiles measured
+   (`--step-jitter profile`, the median
    of --jitter-seeds realizations), and the profile as measured without it;
 3. prints the relative error of p50 / p99 TTFT and TPOT, of p99 queue
    wait, of the requests served and of goodput for each, and the verdict
@@ -83,7 +84,7 @@ def bracket(before: str, after: str, path: Path) -> str:
     if before == after:  # one profile (--profile): used as it is, under the name the simulations read
         path.write_text(Path(before).read_text())
         return str(path)
-    from kvserve.sim.cost_model import StepShape, fit_linear_cost_model, profile_json
+    from kvserve.sim.cost_model import SpeedDrift, StepShape, fit_linear_cost_model, profile_json
 
     docs = [json.loads(Path(p).read_text()) for p in (before, after)]
     samples = [(StepShape(*(row[f] for f in StepShape._fields)), row["step_s"])
@@ -96,7 +97,13 @@ def bracket(before: str, after: str, path: Path) -> str:
     # and the mean of their serving loop overheads.
     jitter = [r for doc in docs for r in (doc.get("step_jitter") or {}).get("ratios", ())]
     overheads = [(doc.get("serving_loop") or {}).get("overhead_per_step_s", 0.0) for doc in docs]
-    model = dataclasses.replace(model, step_jitter=tuple(jitter), serving_overhead_s=statistics.mean(overheads))
+    # Both speed drift traces, one after the other: each is over its own
+    # median, the level between them is the fit's.
+    drifts = [SpeedDrift.from_json(doc["speed_drift"]) for doc in docs if doc.get("speed_drift")]
+    drift = (dataclasses.replace(drifts[0], factors=tuple(f for d in drifts for f in d.factors))
+             if drifts else None)
+    model = dataclasses.replace(model, step_jitter=tuple(jitter), serving_overhead_s=statistics.mean(overheads),
+                                speed_drift=drift)
     loop = {"bracketed_overheads_s": overheads}
     path.write_text(json.dumps(profile_json(model, stats, docs[0]["engine"], docs[0]["about"], samples, loop)))
     return str(path)
@@ -123,6 +130,12 @@ def served_model(base_url: str) -> str:
         return json.loads(resp.read())["data"][0]["id"]
 
 
+# Greedy, as `kvserve bench` samples: at the OpenAI default (temperature
+# 1) a step also samples the whole vocabulary, ~1 ms a token here, which a
+# probe of the bench's decode step must not count.
+PROBE_SAMPLING = {"temperature": 0.0}
+
+
 def frontend_latency_s(base_url: str, num_probes: int = 8) -> float:
     """What a client's TTFT holds beyond the server's own (HTTP, request
     parsing, streaming out, the client's reading): the mean streamed TTFT
@@ -147,7 +160,7 @@ def frontend_latency_s(base_url: str, num_probes: int = 8) -> float:
     client = []
     for i in range(num_probes):
         body = json.dumps({"model": model, "prompt": f"Probe {i}: the weather on the coast today is",
-                           "max_tokens": 2, "stream": True}).encode()
+                           "max_tokens": 2, "stream": True, **PROBE_SAMPLING}).encode()
         request = urllib.request.Request(base_url + "/v1/completions", body, {"Content-Type": "application/json"})
         start = time.perf_counter()
         first = None
@@ -179,7 +192,7 @@ def live_decode_gaps_s(base_url: str, num_probes: int = 4, first_probe: int = 0)
     for i in range(first_probe, first_probe + num_probes):
         prompt = [1000 + 7 * i + j for j in range(PROBE_PROMPT_TOKENS)]  # no prefix hits between probes
         body = json.dumps({"model": model, "prompt": prompt, "max_tokens": PROBE_NEW_TOKENS,
-                           "ignore_eos": True, "stream": True}).encode()
+                           "ignore_eos": True, "stream": True, **PROBE_SAMPLING}).encode()
         request = urllib.request.Request(base_url + "/v1/completions", body, {"Content-Type": "application/json"})
         times = []
         with urllib.request.urlopen(request, timeout=120) as resp:
@@ -353,8 +366,9 @@ def measure_rate(args: argparse.Namespace, out: Path, run: Run, gguf: str) -> di
     _, scale = calibrated(profile, live_step_s, out / f"profile_{key}_calibrated.json")
     profile_doc = json.loads(Path(profile).read_text())
     jitter = {k: v for k, v in (profile_doc.get("step_jitter") or {}).items() if k != "ratios"}
+    drift = {k: v for k, v in (profile_doc.get("speed_drift") or {}).items() if k not in ("factors", "about")}
     overhead_s = (profile_doc.get("serving_loop") or {}).get("overhead_per_step_s", 0.0)
-    return {**profile_doc["fit"], "step_jitter": jitter, "serving_overhead_s": overhead_s,
+    return {**profile_doc["fit"], "step_jitter": jitter, "speed_drift": drift, "serving_overhead_s": overhead_s,
             "frontend_latency_s": frontend_s,
             "live_decode_step_s": live_step_s, "calibration_scale": scale,
             "live_decode_step_before_s": statistics.median(gaps_before),

@@ -86,7 +86,8 @@ def test_profile_command_writes_a_curve_that_simulate_reads(tmp_path, capsys):
     out = tmp_path / "profile.json"
     rc = main(["profile", "--model", str(folder), "--kv-cache-memory", "4MiB", "--device", "cpu",
                "--max-num-batched-tokens", "32", "--tokens", "1,4,16,32,64", "--prefill-tokens", "0,8",
-               "--decode-batch", "0,1,2", "--context", "8,24", "--repeats", "3", "--out", str(out)])
+               "--decode-batch", "0,1,2", "--context", "8,24", "--repeats", "3", "--drift-seconds", "1",
+               "--out", str(out)])
     assert rc == 0
     document = json.loads(out.read_text())
     assert document["token_curve"]["tokens"] == [1, 4, 16, 32]  # 64 > the 32-token budget
@@ -94,6 +95,9 @@ def test_profile_command_writes_a_curve_that_simulate_reads(tmp_path, capsys):
         == 3 * len(document["samples"])
     printed = capsys.readouterr().out
     assert "curve: 1:" in printed and "step jitter" in printed and "serving loop overhead" in printed
+    assert "speed drift (4 bins of 0.25 s)" in printed  # 1 s of back-to-back steps
+    drift = document["speed_drift"]
+    assert drift["num_bins"] == len(drift["factors"]) == 4 and drift["p50"] == pytest.approx(1.0, rel=0.2)
     loop = document["serving_loop"]
     assert loop["num_steps"] == 6 * 23 and loop["overhead_per_step_s"] > 0  # 6 requests of 24 tokens
     rc = main(["simulate", "--model", str(folder), "--hardware", str(out), "--workload", "short",
@@ -105,6 +109,7 @@ def test_profile_command_writes_a_curve_that_simulate_reads(tmp_path, capsys):
     assert applied["step_jitter"]["num_ratios"] == document["step_jitter"]["num_ratios"]
     assert applied["step_jitter"]["seed"] == 0
     assert applied["serving_overhead_s"] == loop["overhead_per_step_s"]
+    assert applied["speed_drift"]["num_bins"] == 4 and applied["speed_drift"]["seed"] == 0
     with pytest.raises(SystemExit):
         main(["profile", "--tokens", "1,x"])
     with pytest.raises(ValueError, match=">= 1"):
@@ -124,6 +129,18 @@ def test_the_serving_loop_times_each_decode_step_through_the_async_engine():
     assert timing.mean_step_s > 0 and timing.overhead_per_step_s > 0
 
 
+def test_the_speed_drift_is_a_trace_of_back_to_back_decode_steps_as_long_as_asked():
+    import random
+
+    from kvserve.engine.profile import time_speed_drift
+
+    core = tiny_engine(tiny_llama(), num_blocks=128, max_num_batched_tokens=64)
+    drift = time_speed_drift(core, random.Random(0), 0.6, bin_s=0.1, block_s=0.3)
+    assert not core.has_unfinished()  # the request the deadline cut is aborted
+    assert len(drift.factors) == 6 and drift.block_bins == 3
+    assert min(drift.factors) <= 1.0 <= max(drift.factors)  # each bin over the whole trace's median step
+
+
 def test_profile_refuses_a_negative_serving_loop(tmp_path, capsys):
     from kvserve.cli import main
 
@@ -133,3 +150,6 @@ def test_profile_refuses_a_negative_serving_loop(tmp_path, capsys):
     rc = main(["profile", "--model", str(folder), "--kv-cache-memory", "4MiB", "--device", "cpu",
                "--serving-loop-requests", "-1", "--out", str(tmp_path / "p.json")])
     assert rc == 2 and "--serving-loop-requests must be >= 0" in capsys.readouterr().err
+    rc = main(["profile", "--model", str(folder), "--kv-cache-memory", "4MiB", "--device", "cpu",
+               "--drift-seconds", "-1", "--out", str(tmp_path / "p.json")])
+    assert rc == 2 and "--drift-seconds must be >= 0" in capsys.readouterr().err

@@ -304,3 +304,74 @@ def test_serving_overhead_is_charged_to_every_step_and_round_trips(tmp_path):
     for bad in (-0.001, float("nan")):
         with pytest.raises(ValueError, match="serving_overhead_s"):
             LinearCostModel(0.01, 0.0, 0.0, 0.0, serving_overhead_s=bad)
+
+
+def test_speed_drift_is_each_bins_median_step_over_the_traces():
+    from kvserve.sim.cost_model import SpeedDrift
+
+    # 4 steps per 0.25 s bin at 10 ms, then a bin at 20 ms, then one too
+    # thin to say anything (2 steps), then 10 ms again.
+    steps = [(100.0 + i * 0.0625, 0.010) for i in range(8)]
+    steps += [(100.5 + i * 0.0625, 0.020) for i in range(4)]
+    steps += [(100.75, 0.5), (100.8, 0.5)]
+    steps += [(101.0 + i * 0.0625, 0.010) for i in range(4)]
+    drift = SpeedDrift.of_steps(steps, bin_s=0.25, block_s=0.5)
+    assert drift.factors == (1.0, 1.0, 2.0, 1.0)
+    assert drift.block_bins == 2
+    assert drift.summary()["max"] == 2.0 and drift.summary()["mean"] == 1.25
+    assert SpeedDrift.of_steps([], 0.25, 1.0) is None
+    with pytest.raises(ValueError, match="> 0"):
+        SpeedDrift(0.25, (1.0, 0.0), 1.0)
+    with pytest.raises(ValueError, match="> 0"):
+        SpeedDrift(0.0, (1.0,), 1.0)
+
+
+def test_a_jittered_model_replays_stretches_of_the_drift_against_time():
+    from kvserve.sim.cost_model import SpeedDrift, decode_step_ends_s, step_time_at_s
+
+    base = LinearCostModel(0.01, 0.0, 0.0, 0.0)
+    shape = StepShape(0, 1, 10, 10)
+    drift = SpeedDrift(bin_s=1.0, factors=(1.0, 2.0, 3.0, 4.0, 5.0, 6.0), block_s=2.0)
+    model = JitteredCostModel(base, (), 7, drift)
+    speeds = [step_time_at_s(model, shape, t + 0.5) / 0.01 for t in range(40)]
+    assert all(round(s, 9) in drift.factors for s in speeds)
+    # Within a 2 s block the trace runs on: each block is two consecutive bins.
+    for block in range(20):
+        first, second = speeds[2 * block], speeds[2 * block + 1]
+        assert second == pytest.approx(first + 1.0)
+    assert len({round(s, 9) for s in speeds[::2]}) > 2  # blocks start at different places
+    assert speeds == [step_time_at_s(JitteredCostModel(base, (), 7, drift), shape, t + 0.5) / 0.01
+                      for t in range(40)]
+    other = model.for_replica(1)  # another machine: its own stretches
+    assert [step_time_at_s(other, shape, t + 0.5) / 0.01 for t in range(40)] != speeds
+    assert model.for_replica(0) is model
+    assert model.step_time_s(shape) == 0.01  # no start time, no drift
+    assert step_time_at_s(base, shape, 3.0) == 0.01  # a model without drift is the same at every time
+    # The fast-forward path: each decode step at the speed of its start.
+    ends = decode_step_ends_s(JitteredCostModel(base, (), 7, drift), 0.5, [(1, 10)] * 300)
+    starts = [0.5] + ends[:-1]
+    assert all((b - a) / 0.01 == pytest.approx(step_time_at_s(model, shape, a) / 0.01)
+               for a, b in zip(starts, ends))
+    described = model.describe()
+    assert described["speed_drift"]["num_bins"] == 6 and "step_jitter" not in described
+
+
+def test_profile_drift_round_trips_and_a_bad_one_is_a_clear_error(tmp_path):
+    from kvserve.sim.cost_model import SpeedDrift
+
+    drift = SpeedDrift(0.25, (0.9, 1.0, 1.3), 2.0)
+    model = LinearCostModel(0.01, 1e-4, 1e-3, 0.0, speed_drift=drift)
+    document = profile_json(model, {"r2": 1.0}, {"num_blocks": 64}, {}, [])
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(document))
+    loaded = load_profile(path)
+    assert loaded.speed_drift == drift
+    assert isinstance(with_step_jitter(loaded, "profile", 0), JitteredCostModel)  # drift alone is applied
+    assert with_step_jitter(loaded, "none", 0) is loaded
+    for bad in ({"bin_s": 0.25, "block_s": 2.0, "factors": [1.0, -1.0]}, {"factors": [1.0]}, [1, 2]):
+        path.write_text(json.dumps({**document, "speed_drift": bad}))
+        with pytest.raises(ValueError, match="speed_drift"):
+            load_profile(path)
+    del document["speed_drift"]  # a profile from before the drift was timed
+    path.write_text(json.dumps(document))
+    assert load_profile(path).speed_drift is None

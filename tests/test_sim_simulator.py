@@ -258,3 +258,35 @@ def test_the_serving_overhead_lengthens_every_simulated_step():
         assert b.token_events[0][0] - b.sent_s == pytest.approx(a.token_events[0][0] - a.sent_s + 0.004, abs=1e-9)
         assert _gaps(b) == pytest.approx([gap + 0.004 for gap in _gaps(a)], abs=1e-9)
         assert len(_gaps(a)) == 7
+
+
+def test_a_measured_speed_drift_slows_whole_requests_in_its_slow_stretches():
+    # A machine that runs 2x slow for every other second: requests alone,
+    # one every 2.5 s (each is one prefill and seven decode steps, ~0.2 s),
+    # land in fast and slow seconds. Every token gap of a request in a slow
+    # second doubles (the drift is the machine's, not a step's), so request
+    # TPOTs split into two groups, where per-step jitter would spread each
+    # request's steps around one mean.
+    import dataclasses
+
+    from kvserve.sim.cost_model import JitteredCostModel, SpeedDrift
+
+    workload, config = fixed_mix(64, 8), replica_config(None)
+    specs = generate_requests(workload, 12, seed=1)
+    offsets = [2.5 * i for i in range(12)]
+    drift = SpeedDrift(bin_s=1.0, factors=(1.0, 2.0) * 8, block_s=16.0)  # one block: the trace as measured
+    base = Simulator(config, COST).run(specs, offsets)
+    drifting = Simulator(config, JitteredCostModel(COST, (), 0, drift)).run(specs, offsets)
+    ratios = []
+    for a, b in zip(base.records, drifting.records):
+        per_gap = [gb / ga for ga, gb in zip(_gaps(a), _gaps(b))]
+        assert max(per_gap) == pytest.approx(min(per_gap), rel=1e-9)  # all in one stretch
+        ratios.append(per_gap[0])
+    assert {round(r, 9) for r in ratios} == {1.0, 2.0}
+    # Seeded: the same drift draws give the same run; no drift is the model.
+    again = Simulator(config, JitteredCostModel(COST, (), 0, drift)).run(specs, offsets)
+    assert [r.token_events for r in again.records] == [r.token_events for r in drifting.records]
+    steady = dataclasses.replace(drift, factors=(1.0,) * 16)
+    flat = Simulator(config, JitteredCostModel(COST, (), 0, steady)).run(specs, offsets)
+    for a, b in zip(base.records, flat.records):
+        assert _gaps(b) == pytest.approx(_gaps(a), abs=1e-12)

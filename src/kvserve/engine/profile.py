@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvserve.engine.cli import add_engine_arguments, engine_config, set_torch_threads
-from kvserve.sim.cost_model import StepShape, chunk_shape, fit_linear_cost_model, profile_json
+from kvserve.sim.cost_model import SpeedDrift, StepShape, chunk_shape, fit_linear_cost_model, profile_json
 
 if TYPE_CHECKING:  # imported when profiling starts, so `--help` does not load torch
     from kvserve.engine.core import EngineCore
@@ -55,6 +55,12 @@ MIN_JITTER_REPEATS = 3
 SERVING_LOOP_REQUESTS = 6
 SERVING_LOOP_PROMPT_TOKENS = 48
 SERVING_LOOP_NEW_TOKENS = 24
+# The speed drift: how long its trace runs, the bin each factor medians and
+# the blocks a simulation replays (a slow stretch on this project's CPU
+# lasts a second or more).
+DRIFT_SECONDS = 12.0
+DRIFT_BIN_S = 0.25
+DRIFT_BLOCK_S = 2.0
 
 
 class TimedSteps(NamedTuple):
@@ -95,6 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "step takes beyond EngineCore.step() (the outputs' handoff to the event loop, "
                              "the GIL the two threads share) is the profile's serving overhead, which "
                              "`kvserve simulate` adds to every step; 0 skips it (no overhead)")
+    parser.add_argument("--drift-seconds", type=float, default=DRIFT_SECONDS,
+                        help="seconds of back-to-back batch-1 decode steps timed last: the machine's speed "
+                             f"over time (each {DRIFT_BIN_S:g} s's median step over the whole trace's), which "
+                             "`kvserve simulate` replays so that a request decoding in a slow stretch is slow "
+                             "throughout, as it is live; 0 skips it")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens")
     parser.add_argument("--out", default="profile.json", help="where to write the profile JSON")
 
@@ -292,6 +303,30 @@ def time_serving_loop(core: EngineCore, rng: random.Random, num_requests: int = 
     return ServingLoopTiming(overhead_s, mean_step_s, num_steps)
 
 
+def time_speed_drift(core: EngineCore, rng: random.Random, seconds: float, bin_s: float = DRIFT_BIN_S,
+                     block_s: float = DRIFT_BLOCK_S) -> SpeedDrift | None:
+    """The machine's speed over `seconds`: batch-1 decode steps back to back
+    (the serving loop's requests, one after another), each bin's median
+    over the trace's. The step's context grows by a request's new tokens
+    (48 to 72), ~2% of its time here: small beside the drift it measures.
+    The core must be idle; it is left idle."""
+    steps: list[tuple[float, float]] = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        request = _add(core, rng, SERVING_LOOP_PROMPT_TOKENS, SERVING_LOOP_NEW_TOKENS)
+        while core.has_unfinished():
+            if time.perf_counter() >= deadline:  # the trace is `seconds` long, not a request more
+                core.abort(request.request_id)
+                break
+            start = time.perf_counter()
+            result = core.step()
+            elapsed = time.perf_counter() - start
+            shape = chunk_shape(result.scheduled.chunks)
+            if shape.num_decode_seqs == 1 and shape.num_prefill_tokens == 0:
+                steps.append((start, elapsed))
+    return SpeedDrift.of_steps(steps, bin_s, block_s)
+
+
 def _event_loop_runner():
     """What runs the server's event loop: uvloop's when installed (uvicorn
     picks it then), asyncio's otherwise."""
@@ -342,6 +377,10 @@ def run(args: argparse.Namespace) -> int:
     if jitter:
         print(f"  step jitter (each repeat over its median, {jitter['num_ratios']} steps): p90 {jitter['p90']:.2f}x,"
               f" p99 {jitter['p99']:.2f}x, mean {jitter['mean']:.2f}x")
+    drift = document["speed_drift"]
+    if drift:
+        print(f"  speed drift ({drift['num_bins']} bins of {drift['bin_s']:g} s): p10 {drift['p10']:.2f}x,"
+              f" p90 {drift['p90']:.2f}x, max {drift['max']:.2f}x, mean {drift['mean']:.2f}x")
     print(f"wrote {args.out}")
     return 0
 
@@ -354,6 +393,8 @@ def profile(args: argparse.Namespace) -> dict:
                        args.repeats, args.time_budget, args.seed, tuple(args.tokens))
     if args.serving_loop_requests < 0:
         raise ValueError(f"--serving-loop-requests must be >= 0, got {args.serving_loop_requests}")
+    if not args.drift_seconds >= 0:
+        raise ValueError(f"--drift-seconds must be >= 0, got {args.drift_seconds}")
     set_torch_threads(args.torch_threads)
     loaded = load_model(args.model, quantization=args.quantization)
     config = engine_config(args)
@@ -362,6 +403,7 @@ def profile(args: argparse.Namespace) -> dict:
     loop = ServingLoopTiming(0.0, 0.0, 0)
     if args.serving_loop_requests:
         loop = time_serving_loop(core, random.Random(grid.seed + 1), args.serving_loop_requests)
+    drift = time_speed_drift(core, random.Random(grid.seed + 2), args.drift_seconds) if args.drift_seconds else None
     from kvserve.runner.model_runner import kv_bytes_per_block
 
     engine = {"kv_cache_memory_bytes": config.kv_cache_memory_bytes, "num_blocks": core.runner.num_blocks,
@@ -370,7 +412,8 @@ def profile(args: argparse.Namespace) -> dict:
               "max_num_batched_tokens": args.max_num_batched_tokens}
     model, stats = fit_linear_cost_model(samples, source="kvserve profile", engine=engine,
                                          token_knots=swept_tokens(samples, grid))
-    model = replace(model, step_jitter=tuple(jitter), serving_overhead_s=loop.overhead_per_step_s)
+    model = replace(model, step_jitter=tuple(jitter), serving_overhead_s=loop.overhead_per_step_s,
+                    speed_drift=drift)
     about = {"model": loaded.source, "dtype": args.dtype, "device": str(core.runner.device),
              "measured_at_unix_s": time.time()}
     return profile_json(model, stats, engine, about, samples,

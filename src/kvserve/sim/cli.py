@@ -84,8 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "vllm:time_to_first_token_seconds measures it")
     sim.add_argument("--step-jitter", choices=("profile", "none"), default="profile",
                      help="profile: multiply each step's time by a ratio drawn from the spread `kvserve "
-                          "profile` measured (each repeat over its median; seeded by --seed), so tails "
-                          "carry the machine's variation; none: every step takes the model's time. "
+                          "profile` measured (each repeat over its median; seeded by --seed) and by the "
+                          "machine's speed at that moment, replayed from the speed drift it measured, so "
+                          "tails carry the machine's variation; none: every step takes the model's time. "
                           "Roofline presets have no measured jitter")
     sim.add_argument("--jitter-seed", type=int, default=None,
                      help="seed of the step jitter draws (default: --seed); other seeds give other "

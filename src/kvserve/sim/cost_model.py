@@ -23,7 +23,14 @@ hundred takes twice its median. `kvserve profile` records that spread (each
 repeat of a timed shape over the median of its repeats), and
 `JitteredCostModel` multiplies each simulated step by a ratio drawn from
 it, so a simulated tail (p99 TTFT is about one step at low load) carries
-the machine's variation and not only the model's.
+the machine's variation and not only the model's. A shared machine's speed
+also drifts over seconds (neighbours, frequency): a batch-1 decode step
+timed back to back for ten seconds runs 0.8x-1.3x its median in stretches
+of a second or more, which per-step draws average away inside one request.
+The profile records that drift too (`SpeedDrift`: the step's median per
+quarter second over the whole trace's), and the jittered model replays
+stretches of it against simulated time, so requests that decode in a slow
+stretch get the slow TPOT they get live.
 
 A served step costs more than the step: between two steps the server's
 engine thread hands the step's outputs to the event loop that streams them
@@ -39,6 +46,7 @@ from __future__ import annotations
 import bisect
 import json
 import random
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -69,6 +77,14 @@ class CostModel(Protocol):
     def step_time_s(self, shape: StepShape) -> float: ...
 
     def describe(self) -> dict: ...
+
+
+def step_time_at_s(model: CostModel, shape: StepShape, start_s: float) -> float:
+    """A step's time when it starts at simulated `start_s`: a model whose
+    speed varies with time (`JitteredCostModel` with a measured drift)
+    answers for that moment; any other model is the same at every time."""
+    own = getattr(model, "step_time_at_s", None)
+    return own(shape, start_s) if own is not None else model.step_time_s(shape)
 
 
 def decode_step_ends_s(model: CostModel, start_s: float, shapes: list[tuple[int, int]]) -> list[float]:
@@ -127,6 +143,9 @@ class LinearCostModel:
     # a served step occupies the engine this much longer than
     # `EngineCore.step()`, which the coefficients were fitted to.
     serving_overhead_s: float = 0.0
+    # The machine's speed over seconds (None: not measured); applied, as
+    # the step jitter, by `JitteredCostModel`.
+    speed_drift: SpeedDrift | None = None
 
     def __post_init__(self) -> None:
         for name in (*LINEAR_FEATURES, "serving_overhead_s"):
@@ -177,7 +196,64 @@ class LinearCostModel:
             described["step_jitter_measured"] = jitter_summary(self.step_jitter)
         if self.serving_overhead_s:
             described["serving_overhead_s"] = self.serving_overhead_s
+        if self.speed_drift is not None:
+            described["speed_drift_measured"] = self.speed_drift.summary()
         return described
+
+
+@dataclass(frozen=True)
+class SpeedDrift:
+    """How the machine's speed moved over a measured stretch of time: per
+    `bin_s` of a trace of back-to-back reference steps, the median step
+    over the whole trace's median (1.2: that stretch ran 20% slow). A
+    simulation replays it in blocks of `block_s` drawn from random places in
+    the trace: the drift's own correlation (a slow second is followed by a
+    slow second) kept inside a block, fresh realizations between blocks."""
+
+    bin_s: float
+    factors: tuple[float, ...]
+    block_s: float
+
+    def __post_init__(self) -> None:
+        if not self.bin_s > 0 or not self.block_s > 0:
+            raise ValueError(f"speed drift bin_s and block_s must be > 0, got {self.bin_s} and {self.block_s}")
+        if not self.factors or any(not f > 0 for f in self.factors):
+            raise ValueError("speed drift needs factors, each > 0")
+
+    @property
+    def block_bins(self) -> int:
+        return max(1, min(len(self.factors), round(self.block_s / self.bin_s)))
+
+    def summary(self) -> dict:
+        ordered = sorted(self.factors)
+        return {"bin_s": self.bin_s, "block_s": self.block_s, "num_bins": len(ordered),
+                "p10": percentile(ordered, 10), "p50": percentile(ordered, 50), "p90": percentile(ordered, 90),
+                "max": ordered[-1], "mean": sum(ordered) / len(ordered)}
+
+    def to_json(self) -> dict:
+        return {"about": "per bin_s of back-to-back batch-1 decode steps, their median over the whole "
+                         "trace's: the machine's speed over time, replayed by kvserve simulate in blocks of "
+                         "block_s", **self.summary(), "factors": [round(f, 4) for f in self.factors]}
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "SpeedDrift":
+        return cls(float(raw["bin_s"]), tuple(float(f) for f in raw["factors"]), float(raw["block_s"]))
+
+    @classmethod
+    def of_steps(cls, steps: list[tuple[float, float]], bin_s: float, block_s: float,
+                 min_steps_per_bin: int = 3) -> "SpeedDrift | None":
+        """From (start time s, step s) of reference steps of one shape (or
+        nearly): None when no bin holds `min_steps_per_bin` steps."""
+        if not steps:
+            return None
+        reference = statistics.median(t for _, t in steps)
+        start = steps[0][0]
+        bins: dict[int, list[float]] = {}
+        for at, step_s in steps:
+            bins.setdefault(int((at - start) // bin_s), []).append(step_s)
+        factors = tuple(statistics.median(v) / reference for _, v in sorted(bins.items())
+                        if len(v) >= min_steps_per_bin)
+        return cls(bin_s, factors, block_s) if factors and reference > 0 else None
 
 
 def _check_jitter_ratios(ratios: tuple[float, ...]) -> None:
@@ -195,45 +271,82 @@ def jitter_summary(ratios: tuple[float, ...]) -> dict:
 
 class JitteredCostModel:
     """`base`'s step times, each multiplied by a ratio drawn (uniformly,
-    with replacement) from `ratios`: the measured spread of a step's time
-    around its median. Draws come from a generator seeded by `seed`, one per
-    step in the order the simulation asks, so a run is reproducible. Steps
-    are drawn independently: on this project's CPU, consecutive decode
-    steps' times correlate weakly (lag-1 correlation ~0.1).
+    with replacement) from `ratios` (the measured spread of a step's time
+    around its median) and, with a `drift`, by the machine's speed at the
+    step's start (`SpeedDrift`). Draws come from generators seeded by
+    `seed`, one ratio per step in the order the simulation asks, so a run is
+    reproducible. Steps are drawn independently: on this project's CPU,
+    consecutive decode steps' times correlate weakly (lag-1 correlation
+    ~0.1); what correlates over seconds is the drift.
+
+    Each replica is its own machine: `for_replica(i)` is the same model with
+    replica i's own draws (replica 0's are this model's).
 
     Under jitter the simulator's fast-forward path (a decode run's steps
     timed a stretch at a time, some never used) draws in a different order
     than single steps would: the same process, another realization."""
 
-    def __init__(self, base: CostModel, ratios: tuple[float, ...], seed: int) -> None:
-        if not ratios:
-            raise ValueError("step jitter needs at least one measured ratio")
+    def __init__(self, base: CostModel, ratios: tuple[float, ...], seed: int,
+                 drift: SpeedDrift | None = None, replica: int = 0) -> None:
+        if not ratios and drift is None:
+            raise ValueError("step jitter needs at least one measured ratio or a speed drift")
         _check_jitter_ratios(ratios)
         self.base = base
         self.ratios = tuple(ratios)
         self.seed = seed
-        # A string seed: not the stream the workload generator draws from
+        self.drift = drift
+        self.replica = replica
+        # String seeds: not the stream the workload generator draws from
         # for the same --seed.
-        self._random = random.Random(f"step-jitter:{seed}").random
+        suffix = f":{replica}" if replica else ""
+        self._random = random.Random(f"step-jitter:{seed}{suffix}").random
+        self._block: int | None = None  # the drift block the last step started in, and where it starts
+        self._block_start = 0  # in the trace
+
+    def for_replica(self, index: int) -> "JitteredCostModel":
+        if index == self.replica:
+            return self
+        return JitteredCostModel(self.base, self.ratios, self.seed, self.drift, index)
 
     def _ratio(self) -> float:
         ratios = self.ratios
-        return ratios[int(self._random() * len(ratios))]
+        return ratios[int(self._random() * len(ratios))] if ratios else 1.0
+
+    def _speed(self, t_s: float) -> float:
+        drift = self.drift
+        if drift is None:
+            return 1.0
+        factors, span = drift.factors, drift.block_bins
+        block, position = divmod(int(t_s // drift.bin_s), span)
+        if block != self._block:
+            self._block = block
+            draw = random.Random(f"speed-drift:{self.seed}:{self.replica}:{block}")
+            self._block_start = draw.randrange(len(factors) - span + 1)
+        return factors[self._block_start + position]
 
     def step_time_s(self, shape: StepShape) -> float:
+        """Without a start time: the per-step jitter only."""
         return self.base.step_time_s(shape) * self._ratio()
+
+    def step_time_at_s(self, shape: StepShape, start_s: float) -> float:
+        return step_time_at_s(self.base, shape, start_s) * self._ratio() * self._speed(start_s)
 
     def decode_step_ends_s(self, start_s: float, shapes: list[tuple[int, int]]) -> list[float]:
         base = self.base
         ends: list[float] = []
         t = start_s
         for num_seqs, kv_tokens in shapes:
-            t = t + base.step_time_s(StepShape(0, num_seqs, kv_tokens, kv_tokens)) * self._ratio()
+            t = t + base.step_time_s(StepShape(0, num_seqs, kv_tokens, kv_tokens)) * self._ratio() * self._speed(t)
             ends.append(t)
         return ends
 
     def describe(self) -> dict:
-        return {**self.base.describe(), "step_jitter": {**jitter_summary(self.ratios), "seed": self.seed}}
+        described = self.base.describe()
+        if self.ratios:
+            described["step_jitter"] = {**jitter_summary(self.ratios), "seed": self.seed}
+        if self.drift is not None:
+            described["speed_drift"] = {**self.drift.summary(), "seed": self.seed}
+        return described
 
 
 class SlowedCostModel:
@@ -248,6 +361,9 @@ class SlowedCostModel:
 
     def step_time_s(self, shape: StepShape) -> float:
         return self.base.step_time_s(shape) * self.factor
+
+    def step_time_at_s(self, shape: StepShape, start_s: float) -> float:
+        return step_time_at_s(self.base, shape, start_s) * self.factor
 
     def decode_step_ends_s(self, start_s: float, shapes: list[tuple[int, int]]) -> list[float]:
         factor = self.factor
@@ -265,14 +381,16 @@ class SlowedCostModel:
 
 
 def with_step_jitter(model: CostModel, jitter: str, seed: int) -> CostModel:
-    """`model` with the step jitter its profile measured (`jitter` "profile")
-    or without any ("none"). A model that measured none (a roofline preset,
-    an older profile) is returned as it is."""
+    """`model` with the step jitter and speed drift its profile measured
+    (`jitter` "profile") or without either ("none"). A model that measured
+    neither (a roofline preset, an older profile) is returned as it is."""
     if jitter not in ("profile", "none"):
         raise ValueError(f"step jitter must be 'profile' or 'none', got {jitter!r}")
-    if jitter == "none" or not isinstance(model, LinearCostModel) or not model.step_jitter:
+    if jitter == "none" or not isinstance(model, LinearCostModel):
         return model
-    return JitteredCostModel(model, model.step_jitter, seed)
+    if not model.step_jitter and model.speed_drift is None:
+        return model
+    return JitteredCostModel(model, model.step_jitter, seed, model.speed_drift)
 
 
 def load_profile(path: Path) -> LinearCostModel | HardwareProfile:
@@ -304,9 +422,14 @@ def load_profile(path: Path) -> LinearCostModel | HardwareProfile:
             overhead = float((raw.get("serving_loop") or {}).get("overhead_per_step_s", 0.0))
         except (TypeError, ValueError, AttributeError):
             raise ValueError(f"profile {str(path)!r}: serving_loop needs a number 'overhead_per_step_s'") from None
+        try:  # profiles written before the drift was timed have none
+            drift = SpeedDrift.from_json(raw["speed_drift"]) if raw.get("speed_drift") else None
+        except (TypeError, ValueError, KeyError, AttributeError):
+            raise ValueError(f"profile {str(path)!r}: speed_drift needs numbers 'bin_s' and 'block_s' "
+                             "and a list 'factors' of numbers > 0") from None
         return LinearCostModel(**{n: float(coefficients[n]) for n in LINEAR_FEATURES},
                                source=str(path), engine=engine, token_knots=knots, token_knot_s=knot_s,
-                               step_jitter=jitter, serving_overhead_s=overhead)
+                               step_jitter=jitter, serving_overhead_s=overhead, speed_drift=drift)
     if kind == "hardware":
         return HardwareProfile(name=str(raw.get("name", Path(path).stem)),
                                flops_per_s=float(raw["flops_per_s"]),
@@ -464,5 +587,7 @@ def profile_json(model: LinearCostModel, stats: dict, engine: dict, about: dict,
                      "to the event loop); charged to every simulated step",
             **(serving_loop or {}), "overhead_per_step_s": model.serving_overhead_s}
     return {"kind": "linear", "coefficients": {n: getattr(model, n) for n in LINEAR_FEATURES},
-            "token_curve": curve, "step_jitter": jitter, "serving_loop": loop, "fit": stats, "engine": engine,
+            "token_curve": curve, "step_jitter": jitter, "serving_loop": loop,
+            "speed_drift": model.speed_drift.to_json() if model.speed_drift is not None else None,
+            "fit": stats, "engine": engine,
             "about": about, "samples": [{**s._asdict(), "step_s": t} for s, t in samples]}

@@ -41,7 +41,8 @@ from kvserve.fleet.autoscale import QueueWaitWindow
 from kvserve.fleet.backend_state import DrainMeter
 from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput
 from kvserve.sim.clock import VirtualClock
-from kvserve.sim.cost_model import CostModel, SlowedCostModel, StepShape, chunk_shape, decode_step_ends_s
+from kvserve.sim.cost_model import (CostModel, SlowedCostModel, StepShape, chunk_shape, decode_step_ends_s,
+                                    step_time_at_s)
 from kvserve.sim.fast_forward import ActiveRun, RunLengths, plan_decode_run
 from kvserve.sim.speculation import SimSpeculation, SimulatedDrafts
 
@@ -318,7 +319,7 @@ class Replica:
         shape = chunk_shape(out.chunks)
         self.in_flight, self.in_flight_shape = out, shape
         self.step_started_s = now
-        self.host.push_step_done(self, now + self.cost_model.step_time_s(shape) + self.proposer_s)
+        self.host.push_step_done(self, now + step_time_at_s(self.cost_model, shape, now) + self.proposer_s)
 
     def _expire(self, request_id: str, reason: Reason) -> None:
         """An admitted request that did not start in time: the server answers 503."""
@@ -548,7 +549,7 @@ class Replica:
         started = chunk_shape(out.chunks)
         shape = StepShape(started.num_prefill_tokens, started.num_decode_seqs + num_seqs,
                           started.kv_tokens_read + kv_tokens, started.attention_pairs + kv_tokens)
-        end_s = now + self.cost_model.step_time_s(shape)
+        end_s = now + step_time_at_s(self.cost_model, shape, now)
         self.in_flight, self.in_flight_shape = out, shape
         self.step_started_s = now
         active.last_step = step

@@ -235,7 +235,10 @@ class Simulator(ReplicaHost):
 
     def _new_replica(self, index: int, clock: VirtualClock, ready_s: float) -> Replica:
         config = self.config
-        return Replica(index, config.scheduler, config.cache, config.admission, self.cost_model, self, clock,
+        # Each replica its own machine: its own jitter draws and speed drift.
+        for_replica = getattr(self.cost_model, "for_replica", None)
+        cost_model = for_replica(index) if for_replica is not None else self.cost_model
+        return Replica(index, config.scheduler, config.cache, config.admission, cost_model, self, clock,
                        ready_s, self.clock, fast_forward=config.fast_forward, record_trace=config.record_trace,
                        look_back_s=config.autoscale.fleet.look_back_s if config.autoscale is not None else 10.0,
                        speculation=config.speculation)

@@ -302,6 +302,47 @@ class OTLPSink:
         self.server.server_close()
 
 
+def tracer_cpu_cost(sink: OTLPSink, num_requests: int = 2000) -> dict:
+    """CPU seconds the tracer spends per request, measured in this process
+    on the server's own RequestTracer and OTLP exporter (to the sink): an
+    admitted request of 64 prompt and 64 output tokens (its request span,
+    queue / prefill / decode children, one prefill chunk event) and a
+    refused one (its request span). Export is part of it: the processor is
+    flushed inside the timed stretch. The goodput A/B above moves with the
+    machine's speed by more than the 3% it judges; this cost does not."""
+    from types import SimpleNamespace
+
+    from kvserve.contract import RequestTimestamps, ResolvedVersions
+    from kvserve.engine.async_engine import Finished
+    from kvserve.tracing import Admission, RequestTracer
+
+    tracer = RequestTracer.to_otlp(sink.url, ResolvedVersions("revision", "tokenizer", "template"), "bench")
+    admitted, refused = Admission("admitted", None, 64), Admission("refused", "queue_full", 64)
+    headers = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+    costs = {}
+    try:
+        for kind in ("admitted", "refused"):
+            start = time.process_time()
+            for i in range(num_requests):
+                if kind == "refused":
+                    tracer.refused(headers, refused, 1.0, 1.001, {"kvserve.tenant": "default"})
+                    continue
+                request_id = f"cmpl-{i}"
+                tracer.admitted(request_id, headers, admitted)
+                stamps = RequestTimestamps(1.0, 1.0, 1.01, 1.05, [1.05 + 0.01 * t for t in range(64)], 1.7)
+                prefill = SimpleNamespace(request=SimpleNamespace(request_id=request_id, num_prompt_tokens=64),
+                                          start=0, num_new_tokens=64)
+                tracer.on_scheduled(SimpleNamespace(scheduled_at=1.01, chunks=[prefill]))  # the engine thread's hook
+                tracer.finished(Finished(request_id, "length", 64, stamps, num_prompt_tokens=64))
+                if i % 256 == 255:  # the batch processor's queue is 2048 spans: export as it would
+                    tracer.provider.force_flush()
+            tracer.provider.force_flush()
+            costs[f"{kind}_cpu_us"] = (time.process_time() - start) / num_requests * 1e6
+    finally:
+        tracer.shutdown()
+    return costs
+
+
 def compare_tracing(args, model: str, serve_args: list[str]) -> dict:
     """Tracing off and on, alternating rounds, one server per side and round;
     the capacity is measured once, on the first server (tracing off)."""
@@ -326,6 +367,7 @@ def compare_tracing(args, model: str, serve_args: list[str]) -> dict:
                 report["rounds"].append({"round": round_index, "side": label, "rows": rows,
                                          "otlp_exports": sink.num_exports - exports_before})
                 print_table(f"round {round_index}: {label}", rows)
+        report["tracer_cpu"] = tracer_cpu_cost(sink)
     finally:
         sink.close()
     report["otlp_bytes"] = sink.num_bytes
@@ -334,6 +376,17 @@ def compare_tracing(args, model: str, serve_args: list[str]) -> dict:
         off, on = by_side["tracing off"], by_side["tracing on"]
         diff = (on - off) / off if off else float("nan")
         print(f"{multiple}x capacity: mean goodput off {off:.3f}/s, on {on:.3f}/s ({diff:+.1%})")
+    cpu = report["tracer_cpu"]
+    print(f"tracer CPU per request (this process, export included): admitted {cpu['admitted_cpu_us']:.0f} us, "
+          f"refused {cpu['refused_cpu_us']:.0f} us")
+    for multiple in args.rates:  # what those costs are at each rate's mix of admitted and refused
+        rows = [row for r in report["rounds"] if r["side"] == "tracing on" for row in r["rows"]
+                if row["multiple"] == multiple]
+        rate = rows[0]["rate_per_s"]
+        refused_share = sum(row["refused_share"] for row in rows) / len(rows)
+        share = rate * ((1 - refused_share) * cpu["admitted_cpu_us"] + refused_share * cpu["refused_cpu_us"]) / 1e6
+        report["tracer_cpu"][f"core_share_at_{multiple}x"] = share
+        print(f"  at {multiple}x capacity ({rate:.1f} req/s, {refused_share:.0%} refused): {share:.2%} of one core")
     return report
 
 

@@ -209,7 +209,7 @@ def run_part(name: str, args, workdir: Path) -> dict:
         model_flags, hardware = tiny_model(workdir)
         part["tokenizer"] = str(Path(model_flags[1]) / "tokenizer.json")
     else:
-        from kvserve.model.default_model import default_model_path
+        from kvserve.model_facts.default_model import default_model_path
 
         model_flags, hardware = part["model"], part["hardware"]
         part["serve_hardware"] = ["--hardware", hardware]

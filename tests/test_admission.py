@@ -564,6 +564,36 @@ def test_a_queue_of_long_prompts_is_a_wait_even_with_slots_and_blocks_free():
     assert ctl.expected_wait_s(req(prompt=256))[0] < wait_s + 0.5 - 0.4
 
 
+def test_a_prefix_shared_down_the_queue_is_prefilled_once():
+    # Four 256-token prompts ahead at 2 ms a token, as above, but all behind
+    # one 192-token system prompt none of them found cached at the door: the
+    # first prefills it, the others will hit it when their turn comes, so
+    # the backlog is 256 + 3 x 64 tokens, not 4 x 256.
+    ctl, _ = make(num_blocks=1000, max_num_seqs=64, tpot_slo_s=1.0, ttft_slo_s=20.0, max_queue_wait_s=2.2)
+    for p in (64, 128, 256, 512):
+        ctl.observe_step(0, p, 0.002 * p)
+    for d in (1, 2, 3, 4) * 3:
+        ctl.observe_step(d, 0, 0.01 + 0.001 * d)
+    system = tuple(b"system-%d" % i for i in range(12))  # 12 blocks of 16 tokens
+
+    def prompt(i):  # chained hashes: past the shared blocks, each prompt's own
+        return system + tuple(b"user-%d-%d" % (i, j) for j in range(4))
+
+    for i in range(4):
+        admit(ctl, req(prompt=256, prompt_block_hashes=prompt(i)))
+    wait_s, _ = ctl.expected_wait_s(req(prompt=256, prompt_block_hashes=prompt(9)))
+    assert 0.002 * (256 + 3 * 64) * 0.9 <= wait_s <= 0.002 * (256 + 3 * 64) * 1.1, wait_s
+    # Without hashes (prefix caching off) every prompt is prefilled in full.
+    ctl2, _ = make(num_blocks=1000, max_num_seqs=64, tpot_slo_s=1.0, ttft_slo_s=20.0, max_queue_wait_s=2.2)
+    for p in (64, 128, 256, 512):
+        ctl2.observe_step(0, p, 0.002 * p)
+    for d in (1, 2, 3, 4) * 3:
+        ctl2.observe_step(d, 0, 0.01 + 0.001 * d)
+    for _ in range(4):
+        admit(ctl2, req(prompt=256))
+    assert ctl2.expected_wait_s(req(prompt=256))[0] >= 0.002 * 4 * 256 * 0.9
+
+
 def test_prompts_the_fit_prices_at_nothing_are_no_backlog():
     # A fast CPU and a tiny model: steps cost ~1 ms whatever their prefill,
     # so the fit prices a prompt token at 0. Charging each step's whole time

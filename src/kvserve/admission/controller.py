@@ -181,11 +181,31 @@ class AdmissionController:
         if budget:
             per_token_s = max(per_token_s, self.step_limiter.step_budget_s / budget)
         ahead = 0.0
+        # Prompt blocks a request ahead prefills: a later request whose
+        # prompt starts with them will find them cached when its turn
+        # comes, so a prefix shared down a queue is counted once (a
+        # prefix-affinity backend queues many requests behind one long
+        # system prompt; counted in full each, they were refused as
+        # backlog with TTFT far inside the SLO).
+        prefilled: set[bytes] = set()
+        block_size = self.block_size
         for t in self._tickets.values():
+            if not t.started and t.request.priority > request.priority:
+                continue  # it waits behind this one
             tokens = max(0, t.request.num_prompt_tokens - t.request.num_cached_tokens)
+            hashes = t.request.prompt_block_hashes
+            if hashes:
+                first = t.request.num_cached_tokens // block_size  # blocks past the door's hit
+                shared = 0
+                for block_hash in hashes[first:]:
+                    if block_hash not in prefilled:
+                        break
+                    shared += 1
+                prefilled.update(hashes[first + shared:])
+                tokens = max(0, tokens - shared * block_size)
             if t.started:  # its prefill began at started_at and has gone on at the same pace
                 ahead += max(0.0, tokens - (now - t.started_at) / per_token_s)
-            elif t.request.priority <= request.priority:
+            else:
                 ahead += tokens
         return ahead * per_token_s
 

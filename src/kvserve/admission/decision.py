@@ -46,6 +46,10 @@ class AdmissionRequest:
     tenant: str = "default"
     is_retry: bool = False
     deadline: float | None = None  # absolute, on the controller's clock
+    # The prompt's full-block prefix-cache hashes (chained: equal leading
+    # hashes are a shared prefix), () where prefix caching is off. The
+    # prefill backlog counts a prefix that requests ahead share once.
+    prompt_block_hashes: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

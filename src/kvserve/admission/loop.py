@@ -49,7 +49,9 @@ class AdmissionLoop:
         params = request.sampling_params
         decision: AdmissionDecision = self.controller.decide(AdmissionRequest(
             request.request_id, len(request.prompt_token_ids), params.max_tokens, num_cached_tokens,
-            request.priority, request.tenant, is_retry, request.deadline))
+            request.priority, request.tenant, is_retry, request.deadline,
+            # Computed by the prefix-hit lookup that gave num_cached_tokens.
+            tuple(request.block_hashes)))
         cap = decision.max_tokens
         if decision.admitted and cap is not None and cap < params.max_tokens:
             request.sampling_params = replace(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))

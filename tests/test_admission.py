@@ -540,15 +540,22 @@ def test_a_loose_tpot_target_does_not_lift_the_running_cap_past_the_ttft_target(
     assert 0.01 + 0.05 * cap <= 2.0 / 2, cap  # a step leaves most of the TTFT target to queueing and prefill
 
 
-def test_a_queue_of_long_prompts_is_a_wait_even_with_slots_and_blocks_free():
-    # Prefill at 2 ms per token (a slow CPU: a 256-token prompt is ~0.5 s):
-    # prompts admitted ahead are that much prefill before the next one's
-    # turn, though the batch has slots and the cache has blocks.
+def slow_prefill_controller():
+    """A controller whose fit prices prefill at 2 ms a token and a decode
+    step at ~10 ms; admission waits up to 2.2 s."""
     ctl, clock = make(num_blocks=1000, max_num_seqs=64, tpot_slo_s=1.0, ttft_slo_s=20.0, max_queue_wait_s=2.2)
     for p in (64, 128, 256, 512):
         ctl.observe_step(0, p, 0.002 * p)
     for d in (1, 2, 3, 4) * 3:
         ctl.observe_step(d, 0, 0.01 + 0.001 * d)
+    return ctl, clock
+
+
+def test_a_queue_of_long_prompts_is_a_wait_even_with_slots_and_blocks_free():
+    # Prefill at 2 ms per token (a slow CPU: a 256-token prompt is ~0.5 s):
+    # prompts admitted ahead are that much prefill before the next one's
+    # turn, though the batch has slots and the cache has blocks.
+    ctl, clock = slow_prefill_controller()
     assert ctl.expected_wait_s(req(prompt=256))[0] < 0.05  # nothing ahead: it starts at once
     ahead = [req(prompt=256) for _ in range(4)]
     for r in ahead:
@@ -569,11 +576,7 @@ def test_a_prefix_shared_down_the_queue_is_prefilled_once():
     # one 192-token system prompt none of them found cached at the door: the
     # first prefills it, the others will hit it when their turn comes, so
     # the backlog is 256 + 3 x 64 tokens, not 4 x 256.
-    ctl, _ = make(num_blocks=1000, max_num_seqs=64, tpot_slo_s=1.0, ttft_slo_s=20.0, max_queue_wait_s=2.2)
-    for p in (64, 128, 256, 512):
-        ctl.observe_step(0, p, 0.002 * p)
-    for d in (1, 2, 3, 4) * 3:
-        ctl.observe_step(d, 0, 0.01 + 0.001 * d)
+    ctl, _ = slow_prefill_controller()
     system = tuple(b"system-%d" % i for i in range(12))  # 12 blocks of 16 tokens
 
     def prompt(i):  # chained hashes: past the shared blocks, each prompt's own
@@ -584,11 +587,7 @@ def test_a_prefix_shared_down_the_queue_is_prefilled_once():
     wait_s, _ = ctl.expected_wait_s(req(prompt=256, prompt_block_hashes=prompt(9)))
     assert 0.002 * (256 + 3 * 64) * 0.9 <= wait_s <= 0.002 * (256 + 3 * 64) * 1.1, wait_s
     # Without hashes (prefix caching off) every prompt is prefilled in full.
-    ctl2, _ = make(num_blocks=1000, max_num_seqs=64, tpot_slo_s=1.0, ttft_slo_s=20.0, max_queue_wait_s=2.2)
-    for p in (64, 128, 256, 512):
-        ctl2.observe_step(0, p, 0.002 * p)
-    for d in (1, 2, 3, 4) * 3:
-        ctl2.observe_step(d, 0, 0.01 + 0.001 * d)
+    ctl2, _ = slow_prefill_controller()
     for _ in range(4):
         admit(ctl2, req(prompt=256))
     assert ctl2.expected_wait_s(req(prompt=256))[0] >= 0.002 * 4 * 256 * 0.9

@@ -593,6 +593,47 @@ def test_a_prefix_shared_down_the_queue_is_prefilled_once():
     assert ctl2.expected_wait_s(req(prompt=256))[0] >= 0.002 * 4 * 256 * 0.9
 
 
+def test_a_prompt_prefilled_alone_is_priced_at_the_schedulers_chunks_not_the_tpot_budget():
+    # An 8B-like step: 50 ms fixed, 10 ms a decode, 0.2 ms a prompt token; a
+    # 0.1 s TPOT leaves ~150 prompt tokens beside one decode, where a step
+    # that decodes no one prefills the scheduler's 1024-token chunk. A long
+    # prompt prefilling with no one decoding is 2,000 x 0.25 ms ahead, not
+    # 2,000 x 0.6 ms (priced at the budget's pace, a prefix-affinity backend
+    # refused the next request as backlog with TTFT at 0.8 s of a 2 s SLO).
+    clock = FakeClock()
+    ctl = AdmissionController(AdmissionConfig(tpot_slo_s=0.1, ttft_slo_s=20.0, max_queue_wait_s=5.0), 1000, 16, 64,
+                              clock, max_num_batched_tokens=1024)
+    steps = [(0, p, 0.05 + 0.0002 * p) for p in (256, 512, 1024)] + \
+            [(d, 0, 0.05 + 0.01 * d) for d in (1, 2, 3)] + [(1, 100, 0.05 + 0.01 + 0.0002 * 100)]
+    ctl.observe_steps(steps * 4)
+    alone_s = 2000 * (0.0002 + 0.05 / 1024)
+
+    def started(prompt):
+        r = req(prompt=prompt, max_tokens=32)
+        admit(ctl, r)
+        ctl.on_start(r.request_id)
+        return r
+
+    first = started(2000)
+    ctl.observe_step(0, 1024, 0.05 + 0.0002 * 1024)  # it prefills alone
+    wait_s, binding = ctl.expected_wait_s(req(prompt=2000))
+    assert binding == "prefill_backlog" and 0.9 * alone_s <= wait_s <= 1.1 * alone_s, (wait_s, binding)
+    # Once it decodes (the last step decoded one: the longest started), its
+    # prefill is done whatever pace it ran at: nothing is ahead.
+    clock.now += 0.3
+    ctl.observe_step(1, 0, 0.06)
+    assert ctl.expected_wait_s(req(prompt=2000))[0] < 0.05
+    # A second prompt behind it now prefills beside that decode, in
+    # TPOT-sized steps: well over twice as long.
+    started(2000)
+    ctl.observe_step(1, 150, 0.09)
+    wait_s, binding = ctl.expected_wait_s(req(prompt=2000))
+    assert binding == "prefill_backlog" and wait_s > 2 * alone_s, (wait_s, binding)
+    ctl.on_finish(first.request_id)  # the decoder left: the one started is the prompt in prefill
+    ctl.observe_step(0, 1024, 0.05 + 0.0002 * 1024)
+    assert ctl.expected_wait_s(req(prompt=2000))[0] <= 1.1 * alone_s
+
+
 def test_prompts_the_fit_prices_at_nothing_are_no_backlog():
     # A fast CPU and a tiny model: steps cost ~1 ms whatever their prefill,
     # so the fit prices a prompt token at 0. Charging each step's whole time

@@ -65,11 +65,18 @@ class AdmissionController:
 
     def __init__(self, config: AdmissionConfig, num_blocks: int, block_size: int,
                  max_num_seqs: int, clock: Callable[[], float],
-                 tenant_limits: Mapping[str, TenantLimits] | None = None) -> None:
+                 tenant_limits: Mapping[str, TenantLimits] | None = None,
+                 max_num_batched_tokens: int | None = None) -> None:
         self.config = config
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
+        # The scheduler's own chunk, what a prompt is prefilled in while no
+        # one decodes (None: unknown, the chunk's fixed step cost uncounted).
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # Sequences the last measured step decoded: whether prompts are now
+        # prefilled beside decodes (in TPOT-sized steps) or alone.
+        self._num_decoding = 0
         self.clock = clock
         self.quotas = TenantQuotas(tenant_limits, clock)
         self.retry_budget = RetryBudget(config.retry_budget, config.retry_budget_burst, config.drain_window_s,
@@ -158,28 +165,13 @@ class AdmissionController:
 
     def _prefill_backlog_s(self, request: AdmissionRequest, now: float) -> float:
         """Seconds until the prompts ahead of `request` are prefilled, at the
-        pace the steps allow (the prefill cost per token, or the TPOT-sized
-        step budget where that binds). A request starts only when its turn
-        for prefill comes: with slots and KV free, a queue of long prompts
-        still holds it (at rate 1 the peers' benchmark waited 11 s where
-        slots and blocks promised 0.1 s). 0 before prefill is measured, and
-        0 once the fit found prompt tokens cost nothing measurable: the whole
-        step time is charged to prefill (the upper bound) only while the
-        fit has not separated the two, never after it measured the cost as
-        nil (a fast CPU fits the tiny model's prefill at 0 and the bound,
-        14 ms a token, then refused a lone 20-token prompt as 0.19 s of
-        backlog)."""
-        fit = self.step_model.fit()
-        per_token_s: float | None
-        if fit is not None and fit.per_prefill_token_s is not None:
-            per_token_s = fit.per_prefill_token_s
-        else:
-            per_token_s = self.step_model.upper_bound_per_prefill_token_s
-        if per_token_s is None or per_token_s <= 0:
+        pace of the steps that prefill now (_prefill_pace_s). A request
+        starts only when its turn for prefill comes: with slots and KV free,
+        a queue of long prompts still holds it (at rate 1 the peers'
+        benchmark waited 11 s where slots and blocks promised 0.1 s)."""
+        per_token_s = self._prefill_pace_s()
+        if per_token_s <= 0:
             return 0.0
-        budget = self.step_limiter.prefill_token_budget(self.num_started)
-        if budget:
-            per_token_s = max(per_token_s, self.step_limiter.step_budget_s / budget)
         ahead = 0.0
         # Prompt blocks a request ahead prefills: a later request whose
         # prompt starts with them will find them cached when its turn
@@ -189,7 +181,12 @@ class AdmissionController:
         # backlog with TTFT far inside the SLO).
         prefilled: set[bytes] = set()
         block_size = self.block_size
-        for t in self._tickets.values():
+        # The last step's decoders are taken to be the longest started ones:
+        # their prefill is done whatever pace it ran at.
+        num_decoding = min(self._num_decoding, self.num_started)
+        started = [(t.started_at, rid) for rid, t in self._tickets.items() if t.started] if num_decoding else []
+        decoding = {rid for _, rid in heapq.nsmallest(num_decoding, started)}
+        for rid, t in self._tickets.items():
             if not t.started and t.request.priority > request.priority:
                 continue  # it waits behind this one
             tokens = max(0, t.request.num_prompt_tokens - t.request.num_cached_tokens)
@@ -203,11 +200,48 @@ class AdmissionController:
                     shared += 1
                 prefilled.update(hashes[first + shared:])
                 tokens = max(0, tokens - shared * block_size)
+            if rid in decoding:
+                continue
             if t.started:  # its prefill began at started_at and has gone on at the same pace
                 ahead += max(0.0, tokens - (now - t.started_at) / per_token_s)
             else:
                 ahead += tokens
         return ahead * per_token_s
+
+    def _prefill_pace_s(self) -> float:
+        """Seconds per prompt token the steps prefill at now: beside decodes,
+        the TPOT-sized step budget's pace where it binds; with no one
+        decoding, the scheduler's own chunks (a step with no decode is not
+        capped), which on an 8B model are 4x faster: priced at the budget's
+        pace, a lone 2,000-token prompt in prefill looked like 2 s of
+        backlog and its prefix-affinity backend refused the next request
+        with TTFT at 0.8 s of a 2 s target. 0 before prefill is measured,
+        and 0 once the fit found prompt tokens cost nothing measurable: the
+        whole step time is charged to prefill (the upper bound) only while
+        the fit has not separated the two, never after it measured the cost
+        as nil (a fast CPU fits the tiny model's prefill at 0 and the bound,
+        14 ms a token, then refused a lone 20-token prompt as 0.19 s of
+        backlog)."""
+        fit = self.step_model.fit()
+        per_token_s: float | None
+        if fit is not None and fit.per_prefill_token_s is not None:
+            per_token_s = fit.per_prefill_token_s
+        else:
+            per_token_s = self.step_model.upper_bound_per_prefill_token_s
+        if per_token_s is None or per_token_s <= 0:
+            return 0.0
+        if fit is None:
+            # Before the fit the budget caps every step (StepLimiter.step_limits).
+            decoding = True
+        else:
+            decoding = min(self._num_decoding, self.num_started) > 0
+        if decoding:
+            budget = self.step_limiter.prefill_token_budget(self.num_started)
+            if budget:
+                return max(per_token_s, self.step_limiter.step_budget_s / budget)
+        elif fit is not None and self.max_num_batched_tokens:
+            return per_token_s + max(0.0, fit.intercept_s) / self.max_num_batched_tokens
+        return per_token_s
 
     def _slot_free_wait_s(self, num_queued_ahead: int, running_cap: int, now: float) -> float:
         """Seconds until a batch slot is free for a request behind
@@ -464,11 +498,19 @@ class AdmissionController:
         """Feed one measured engine step (for the running cap and the
         prefill token budget); empty steps are ignored."""
         self.step_model.observe(num_decode_seqs, num_prefill_tokens, step_s)
+        if num_decode_seqs or num_prefill_tokens:
+            self._num_decoding = num_decode_seqs
 
     def observe_steps(self, steps: Iterable[tuple[int, int, float]]) -> None:
         """observe_step of each (num_decode_seqs, num_prefill_tokens, step_s)
         in order, in one call (a simulator's multi-step decode run)."""
-        self.step_model.observe_steps(steps)
+        measured: list[tuple[int, int, float]] = steps if isinstance(steps, list) else list(steps)
+        self.step_model.observe_steps(measured)
+        for i in range(len(measured) - 1, -1, -1):
+            num_decode_seqs, num_prefill_tokens, _ = measured[i]
+            if num_decode_seqs or num_prefill_tokens:
+                self._num_decoding = num_decode_seqs
+                break
 
     def _advance(self, now: float, busy: bool) -> None:
         self._drain_blocks.advance(now, busy)

@@ -83,7 +83,7 @@ class Serving:
         self.max_num_batched_tokens = core.config.max_num_batched_tokens
         self.admission = AdmissionLoop(AdmissionController(
             admission_config, core.num_kv_blocks, core.config.block_size, core.config.max_num_seqs, clock,
-            self.tenants.limits()))
+            self.tenants.limits(), max_num_batched_tokens=core.config.max_num_batched_tokens))
         self.metrics = ServerMetrics(self.model_name, admission_config.ttft_slo_s, admission_config.tpot_slo_s,
                                      self.max_model_len,
                                      max_loras=core.config.max_loras if core.config.enable_lora else None)

@@ -113,7 +113,8 @@ class Replica:
         self._controller: AdmissionController | None = None
         if admission_config is not None:
             controller = AdmissionController(admission_config, cache_config.num_blocks, cache_config.block_size,
-                                             scheduler_config.max_num_seqs, clock)
+                                             scheduler_config.max_num_seqs, clock,
+                                             max_num_batched_tokens=scheduler_config.max_num_batched_tokens)
             self._controller = controller
             self.admission = AdmissionLoop(controller if self.trace is None else
                                            Recorded(controller, clock, self.trace))

@@ -153,6 +153,38 @@ def test_view_reads_a_kvserve_metrics_page_and_counts_its_own_sends():
     assert not view.eligible(stale_after_s=5.0)  # stale
 
 
+def test_a_send_since_the_scrape_claims_the_blocks_its_cache_is_not_finding():
+    # Between two scrapes the backend found 75% of prompt tokens cached: a
+    # request sent after the second claims a quarter of its 320 tokens' blocks
+    # (counted in full, requests behind one shared system prompt looked like
+    # a full cache, and prefix-affinity routed them away from it).
+    import dataclasses
+
+    from kvserve.scheduler.scheduler import SchedulerStats
+
+    metrics = ServerMetrics("tiny", 2.0, 0.1)
+    metrics.record_stats(SchedulerStats(3, 2, 0, 0.5, 100, 40, 0, 0, 0))
+    first = parse_metrics(metrics.render().decode())
+    view = BackendView(gw.BackendConfig("http://b", num_kv_blocks=100, block_size=16), gw.BreakerConfig(), Clock())
+
+    def scrape(hits, queries):
+        view.record_scrape(dataclasses.replace(first, prefix_hits_total=hits, prefix_queries_total=queries), True)
+
+    scrape(40, 100)
+    assert view.prefix_hit_rate is None  # one reading is no interval yet: sends count in full
+    sent = view.on_send(320)
+    assert view.kv_usage == pytest.approx(0.5 + 20 / 100)
+    view.on_done(sent)
+    scrape(790, 1100)  # 750 of 1,000 prompt tokens hit
+    assert view.prefix_hit_rate == pytest.approx(0.75)
+    view.on_send(320)
+    assert view.kv_usage == pytest.approx(0.5 + 5 / 100)
+    scrape(10, 20)  # the backend restarted: its counters went back, the interval is skipped
+    assert view.prefix_hit_rate == pytest.approx(0.75)
+    scrape(35, 120)  # 25 of 100: recent intervals weigh most, the older still count
+    assert 0.25 < view.prefix_hit_rate < 0.75
+
+
 def test_view_reads_vllms_metric_names():
     page = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 vllm:num_requests_running{engine="0",model_name="Qwen/Qwen3-0.6B"} 5.0

@@ -74,9 +74,6 @@ class AdmissionController:
         # The scheduler's own chunk, what a prompt is prefilled in while no
         # one decodes (None: unknown, the chunk's fixed step cost uncounted).
         self.max_num_batched_tokens = max_num_batched_tokens
-        # Sequences the last measured step decoded: whether prompts are now
-        # prefilled beside decodes (in TPOT-sized steps) or alone.
-        self._num_decoding = 0
         self.clock = clock
         self.quotas = TenantQuotas(tenant_limits, clock)
         self.retry_budget = RetryBudget(config.retry_budget, config.retry_budget_burst, config.drain_window_s,
@@ -169,7 +166,10 @@ class AdmissionController:
         starts only when its turn for prefill comes: with slots and KV free,
         a queue of long prompts still holds it (at rate 1 the peers'
         benchmark waited 11 s where slots and blocks promised 0.1 s)."""
-        per_token_s = self._prefill_pace_s()
+        # The last step's decoders are taken to be the longest started ones:
+        # their prefill is done whatever pace it ran at.
+        num_decoding = min(self.step_model.last_num_decode_seqs, self.num_started)
+        per_token_s = self._prefill_pace_s(num_decoding)
         if per_token_s <= 0:
             return 0.0
         ahead = 0.0
@@ -181,9 +181,6 @@ class AdmissionController:
         # backlog with TTFT far inside the SLO).
         prefilled: set[bytes] = set()
         block_size = self.block_size
-        # The last step's decoders are taken to be the longest started ones:
-        # their prefill is done whatever pace it ran at.
-        num_decoding = min(self._num_decoding, self.num_started)
         started = [(t.started_at, rid) for rid, t in self._tickets.items() if t.started] if num_decoding else []
         decoding = {rid for _, rid in heapq.nsmallest(num_decoding, started)}
         for rid, t in self._tickets.items():
@@ -208,8 +205,9 @@ class AdmissionController:
                 ahead += tokens
         return ahead * per_token_s
 
-    def _prefill_pace_s(self) -> float:
-        """Seconds per prompt token the steps prefill at now: beside decodes,
+    def _prefill_pace_s(self, num_decoding: int) -> float:
+        """Seconds per prompt token the steps prefill at now, with
+        `num_decoding` sequences decoding: beside decodes,
         the TPOT-sized step budget's pace where it binds; with no one
         decoding, the scheduler's own chunks (a step with no decode is not
         capped), which on an 8B model are 4x faster: priced at the budget's
@@ -230,12 +228,8 @@ class AdmissionController:
             per_token_s = self.step_model.upper_bound_per_prefill_token_s
         if per_token_s is None or per_token_s <= 0:
             return 0.0
-        if fit is None:
-            # Before the fit the budget caps every step (StepLimiter.step_limits).
-            decoding = True
-        else:
-            decoding = min(self._num_decoding, self.num_started) > 0
-        if decoding:
+        # Before the fit the budget caps every step (StepLimiter.step_limits).
+        if fit is None or num_decoding > 0:
             budget = self.step_limiter.prefill_token_budget(self.num_started)
             if budget:
                 return max(per_token_s, self.step_limiter.step_budget_s / budget)
@@ -498,19 +492,11 @@ class AdmissionController:
         """Feed one measured engine step (for the running cap and the
         prefill token budget); empty steps are ignored."""
         self.step_model.observe(num_decode_seqs, num_prefill_tokens, step_s)
-        if num_decode_seqs or num_prefill_tokens:
-            self._num_decoding = num_decode_seqs
 
     def observe_steps(self, steps: Iterable[tuple[int, int, float]]) -> None:
         """observe_step of each (num_decode_seqs, num_prefill_tokens, step_s)
         in order, in one call (a simulator's multi-step decode run)."""
-        measured: list[tuple[int, int, float]] = steps if isinstance(steps, list) else list(steps)
-        self.step_model.observe_steps(measured)
-        for i in range(len(measured) - 1, -1, -1):
-            num_decode_seqs, num_prefill_tokens, _ = measured[i]
-            if num_decode_seqs or num_prefill_tokens:
-                self._num_decoding = num_decode_seqs
-                break
+        self.step_model.observe_steps(steps)
 
     def _advance(self, now: float, busy: bool) -> None:
         self._drain_blocks.advance(now, busy)

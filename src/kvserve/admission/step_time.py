@@ -64,12 +64,16 @@ class StepTimeModel:
         # for it several times per request: solve once per observation.
         self._fit_is_current = False
         self._fit: StepFit | None = None
+        # Decode sequences of the last measured step: whether prompts are now
+        # prefilled beside decodes (in TPOT-sized steps) or alone.
+        self.last_num_decode_seqs = 0
 
     def observe(self, num_decode_seqs: int, num_prefill_tokens: int, step_s: float) -> None:
         """One measured engine step; a step with no work, or a time that is
         negative or NaN, is not a measurement and is ignored."""
         if not (num_decode_seqs + num_prefill_tokens > 0 and step_s >= 0):
             return
+        self.last_num_decode_seqs = num_decode_seqs
         k = self._decay
         d, p, y = float(num_decode_seqs), float(num_prefill_tokens), float(step_s)
         self._w = self._w * k + 1.0
@@ -92,9 +96,11 @@ class StepTimeModel:
         w, sd, sp, sy = self._w, self._d, self._p, self._y
         sdd, spp, sdp, sdy, spy = self._dd, self._pp, self._dp, self._dy, self._py
         dec_w, dec_d, dec_y, dec_dd, dec_dy = self._dec_w, self._dec_d, self._dec_y, self._dec_dd, self._dec_dy
+        last_num_decode_seqs = self.last_num_decode_seqs
         for num_decode_seqs, num_prefill_tokens, step_s in steps:
             if not (num_decode_seqs + num_prefill_tokens > 0 and step_s >= 0):
                 continue
+            last_num_decode_seqs = num_decode_seqs
             d, p, y = float(num_decode_seqs), float(num_prefill_tokens), float(step_s)
             w = w * k + 1.0
             sd, sp, sy = sd * k + d, sp * k + p, sy * k + y
@@ -107,6 +113,7 @@ class StepTimeModel:
         self._w, self._d, self._p, self._y = w, sd, sp, sy
         self._dd, self._pp, self._dp, self._dy, self._py = sdd, spp, sdp, sdy, spy
         self._dec_w, self._dec_d, self._dec_y, self._dec_dd, self._dec_dy = dec_w, dec_d, dec_y, dec_dd, dec_dy
+        self.last_num_decode_seqs = last_num_decode_seqs
         self._fit_is_current = self._decode_fit_is_current = False
 
     @property

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvserve.admission.controller import AdmissionController
-from kvserve.admission.decision import AdmissionDecision, Outcome, Reason
+from kvserve.admission.decision import AdmissionDecision, AdmissionRequest, Outcome, Reason
 from kvserve.admission.loop import AdmissionLoop
 from kvserve.bench.workload import LengthClass, LengthDist, WorkloadSpec, generate_requests
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
@@ -194,3 +194,60 @@ def test_a_degraded_request_leaves_the_decision_with_max_and_min_tokens_capped()
     assert (decision.outcome, decision.max_tokens) == (Outcome.DEGRADE, 16)
     assert (long.sampling_params.max_tokens, long.sampling_params.min_tokens) == (16, 16)
     assert long.sampling_params == SamplingParams(max_tokens=16, min_tokens=16) and params.max_tokens == 64
+
+
+def test_while_the_cache_evicts_a_queued_request_counts_only_the_prefix_hit_a_running_request_holds():
+    # A prompt served once leaves its blocks cached but held by no one; the
+    # same prompt sent again is admitted on that hit. Once another request's
+    # allocation evicts blocks, unheld ones are the next to go: the queued
+    # request's prefill is counted in full again, and the backlog the next
+    # arrival waits behind says so from the next step on (counted at the
+    # door's value, a queue re-sending prompts the cache was dropping
+    # waited 9 s behind a 1.5 s limit).
+    clock = VirtualClock()
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4, max_model_len=1024),
+                          CacheConfig(num_blocks=24, block_size=16), clock)
+    controller = AdmissionController(AdmissionConfig(max_queue_wait_s=10.0, tpot_slo_s=1.0, ttft_slo_s=40.0),
+                                     24, 16, 4, clock)
+    controller.observe_steps([(0, p, 0.002 * p) for p in (64, 128, 256)] * 4)  # 2 ms a prompt token
+    loop = AdmissionLoop(controller)
+    requests = RequestFactory((SIM_EOS_TOKEN_ID,), CONFIG.cache_namespace, clock)
+    prompt = list(range(1, 257))  # 16 blocks
+
+    def run_to_end(request: Request) -> None:
+        scheduler.add_request(request)
+        while not request.is_finished:
+            out = scheduler.schedule()
+            scheduler.update(out, {c.request.request_id: SIM_TOKEN_ID for c in out.chunks if c.samples})
+
+    run_to_end(requests.build(prompt, SamplingParams(max_tokens=1, ignore_eos=True), request_id="first"))
+    other = requests.build(list(range(1000, 1256)), SamplingParams(max_tokens=4, ignore_eos=True), request_id="other")
+    scheduler.add_request(other)  # ahead in the scheduler's queue, not admission's
+    again = requests.build(prompt, SamplingParams(max_tokens=1, ignore_eos=True), request_id="again")
+    hit = scheduler.prefix_hit_tokens(again)
+    assert hit >= 224, hit
+    assert loop.decide(again, hit, num_evicted_blocks=scheduler.num_evicted_blocks).admitted
+    scheduler.add_request(again)
+    arrival = AdmissionRequest("next", 256, 1)
+    before_s, _ = controller.expected_wait_s(arrival)
+    loop.before_step(0, lambda rid, reason: None, scheduler)  # nothing evicted yet: nothing changes
+    assert controller.expected_wait_s(arrival)[0] == before_s
+
+    out = scheduler.schedule()  # `other`'s 16 prompt blocks: 8 come from evicting `first`'s
+    assert [c.request.request_id for c in out.chunks] == ["other"] and scheduler.num_evicted_blocks >= 8
+    scheduler.update(out, {"other": SIM_TOKEN_ID})  # prefilled: it decodes on, holding its blocks
+    assert scheduler.prefix_hit_tokens(again) > 0  # a head survives, held by no one: the next eviction's
+    assert scheduler.held_prefix_hit_tokens("again") == 0
+    loop.before_step(1, lambda rid, reason: None, scheduler)
+    after_s, binding = controller.expected_wait_s(arrival)
+    assert binding == Reason.PREFILL_BACKLOG
+    assert after_s - before_s >= 0.9 * 0.002 * hit, (before_s, after_s)
+    assert scheduler.held_prefix_hit_tokens("other") is None  # started: not a queued request
+
+    # A hit on blocks a running request holds is not at risk: `other` holds
+    # its prompt's blocks while it runs, so a prompt behind its first 128
+    # tokens can count them.
+    sibling = requests.build(list(range(1000, 1128)) + list(range(5000, 5128)),
+                             SamplingParams(max_tokens=1, ignore_eos=True), request_id="sibling")
+    scheduler.add_request(sibling)
+    assert scheduler.held_prefix_hit_tokens("sibling") == 128

@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
 from kvserve.admission.busy_rate import BusyRate
@@ -480,6 +480,19 @@ class AdmissionController:
         else:
             del self._queued[request_id]
         self.quotas.release(request_id, num_tokens)
+
+    def refresh_prefix_hit(self, request_id: str, num_cached_tokens: int) -> None:
+        """A queued request's prefix hit as its turn can count on it now
+        (AdmissionLoop.before_step): its need and its share of the prefill
+        backlog follow. Counted at the door's value, hits the cache was
+        evicting made a queue of prompts look like no prefill at all (six
+        256-token prompts ahead priced as 96 tokens)."""
+        ticket = self._queued.get(request_id)
+        if ticket is None or ticket.request.num_cached_tokens == num_cached_tokens:
+            return
+        ticket.request = replace(ticket.request, num_cached_tokens=num_cached_tokens)
+        ticket.num_blocks = self.blocks_needed(ticket.request.num_prompt_tokens, ticket.max_tokens,
+                                               num_cached_tokens)
 
     def expired(self) -> list[tuple[str, Reason]]:
         """(request_id, reason) of admitted requests not started in time; the

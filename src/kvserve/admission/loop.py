@@ -4,9 +4,11 @@ Written once, driven by the server's engine thread (engine/async_engine.py)
 and by each simulated replica (sim/replica.py), so both feed the same
 controller the same calls in the same order around every engine step:
 
-    an arrival       decide(request, num_cached_tokens)   admit / degrade / refuse
-    before a step    before_step(num_running, abort)      expired requests aborted,
-                                                          -> the limits of this step
+    an arrival       decide(request, num_cached_tokens,   admit / degrade / refuse
+                            ..., num_evicted_blocks)
+    before a step    before_step(num_running, abort,      expired requests aborted,
+                                 scheduler)               queued prefix hits re-read after
+                                                          evictions -> the limits of this step
     the step runs    on_scheduled(started_ids, at)        first schedules (queue time)
     arrivals during the step are decided here, before its end is known
     the step ends    on_step_end(decodes, prefill, s)     the measured step time
@@ -24,11 +26,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from kvserve.admission.decision import AdmissionDecision, AdmissionRequest, QueueWait, Reason
 from kvserve.admission.step_limits import StepLimits
 from kvserve.contract import Request
+
+
+class QueuedPrefixHits(Protocol):
+    """What before_step reads of the KV cache (the Scheduler has it)."""
+
+    @property
+    def num_evicted_blocks(self) -> int: ...
+
+    def held_prefix_hit_tokens(self, request_id: str) -> int | None: ...
 
 
 class AdmissionLoop:
@@ -38,20 +49,27 @@ class AdmissionLoop:
         # An AdmissionController, or the proxy a traced simulation hands in
         # to log every call (sim/replica.py); Any for that (kvserve/compiled).
         self.controller = controller
+        # Queued requests admitted on a prefix hit -> the cache's eviction
+        # count when that hit was last read (at the door, then on refresh).
+        self._hit_read_at_evictions: dict[str, int] = {}
 
     # ---- arrivals ----------------------------------------------------------
 
-    def decide(self, request: Request, num_cached_tokens: int, is_retry: bool = False) -> AdmissionDecision:
+    def decide(self, request: Request, num_cached_tokens: int, is_retry: bool = False,
+               num_evicted_blocks: int = 0) -> AdmissionDecision:
         """The one decision for an arriving request whose prefix-cache hit is
-        `num_cached_tokens` (read on the thread that owns the KV cache).
-        Admitted requests are recorded; a degraded one leaves with its
-        max_tokens (and min_tokens) capped to what was admitted."""
+        `num_cached_tokens` (read on the thread that owns the KV cache, when
+        it had evicted `num_evicted_blocks` in all). Admitted requests are
+        recorded; a degraded one leaves with its max_tokens (and min_tokens)
+        capped to what was admitted."""
         params = request.sampling_params
         decision: AdmissionDecision = self.controller.decide(AdmissionRequest(
             request.request_id, len(request.prompt_token_ids), params.max_tokens, num_cached_tokens,
             request.priority, request.tenant, is_retry, request.deadline,
             # Computed by the prefix-hit lookup that gave num_cached_tokens.
             tuple(request.block_hashes)))
+        if decision.admitted and num_cached_tokens > 0:
+            self._hit_read_at_evictions[request.request_id] = num_evicted_blocks
         cap = decision.max_tokens
         if decision.admitted and cap is not None and cap < params.max_tokens:
             request.sampling_params = replace(params, max_tokens=cap, min_tokens=min(params.min_tokens, cap))
@@ -78,12 +96,32 @@ class AdmissionLoop:
 
     # ---- around each step --------------------------------------------------
 
-    def before_step(self, num_running: int, abort: Callable[[str, Reason], None]) -> StepLimits:
+    def before_step(self, num_running: int, abort: Callable[[str, Reason], None],
+                    cache: QueuedPrefixHits | None = None) -> StepLimits:
         """Before the next step is built: every admitted request that did not
         start in time goes to `abort` (which ends it; its on_finished
-        follows), then the limits that step runs under."""
+        follows); a queued request admitted on a prefix hit, once `cache`
+        (the scheduler) evicted blocks since its hit was read, keeps only the
+        part some running request holds: a block held by no one is the next
+        eviction's candidate, and while the cache evicts, a queue's hits on
+        such blocks are gone by its turn (measured on the default server at
+        1.8x capacity, prompts re-sent after their blocks were freed: each
+        queued hit fell from 240 tokens to 0 over the steps before its start,
+        and admitted requests waited 9 s behind a 1.5 s limit); then the
+        limits that step runs under."""
         for request_id, reason in self.controller.expired():
             abort(request_id, reason)
+        if cache is not None and self._hit_read_at_evictions:
+            # Keyed by each request's own last read, not by the last step's
+            # count: the same calls whether steps ran one by one or as a
+            # simulator's decode run (which has no queued request).
+            num_evicted = cache.num_evicted_blocks
+            for request_id, read_at in self._hit_read_at_evictions.items():
+                if read_at != num_evicted:
+                    self._hit_read_at_evictions[request_id] = num_evicted
+                    hit = cache.held_prefix_hit_tokens(request_id)
+                    if hit is not None:
+                        self.controller.refresh_prefix_hit(request_id, hit)
         return self.next_step_limits(num_running)
 
     def next_step_limits(self, num_running: int) -> StepLimits:
@@ -99,6 +137,7 @@ class AdmissionLoop:
         predicted and actual wait (for the prediction's error metric)."""
         waits: list[QueueWait] = []
         for request_id in started_ids:
+            self._hit_read_at_evictions.pop(request_id, None)
             wait: QueueWait | None = self.controller.on_start(request_id, scheduled_at)
             if wait is not None:
                 waits.append(wait)
@@ -120,4 +159,5 @@ class AdmissionLoop:
         """A request ended (finished, aborted, expired, or refused by the
         engine after admission); `num_tokens` (prompt + output it held)
         refunds its tenant's tokens-per-minute charge to what was used."""
+        self._hit_read_at_evictions.pop(request_id, None)
         self.controller.on_finish(request_id, num_tokens)

@@ -331,7 +331,7 @@ class AsyncEngine:
             finished.extend(self._abort(request_id, reason))
 
         with self.admission_lock:
-            limits = self.admission.before_step(self.core.num_running, expire)
+            limits = self.admission.before_step(self.core.num_running, expire, self.core.scheduler)
         self.core.set_step_limits(limits)
         return limits
 
@@ -369,7 +369,8 @@ class AsyncEngine:
         if self.admission is not None:
             num_cached_tokens = self.core.prefix_hit_tokens(request)
             with self.admission_lock:
-                decision = self.admission.decide(request, num_cached_tokens, is_retry)
+                decision = self.admission.decide(request, num_cached_tokens, is_retry,
+                                                 self.core.scheduler.num_evicted_blocks)
             self._post_fn(self._deliver_decision, request.request_id, decision)
             if not decision.admitted:
                 return []

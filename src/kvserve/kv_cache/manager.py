@@ -89,6 +89,17 @@ class KVCacheManager:
             hits.append(block)
         return ComputedBlocks(hits, len(hits) * self.block_size)
 
+    def held_prefix_tokens(self, request: Request) -> int:
+        """The part of get_computed_blocks' hit whose blocks some request
+        holds: what an eviction cannot take before this request starts. No
+        state change."""
+        hit = 0
+        for block in self.get_computed_blocks(request).blocks:
+            if block.ref_count == 0:
+                break
+            hit += self.block_size
+        return hit
+
     # -- state changes -------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed: ComputedBlocks | None = None) -> list[KVBlock] | None:

@@ -181,6 +181,21 @@ class Scheduler:
         serve now (admission's projection); no state change, no stats."""
         return self.kv_cache.get_computed_blocks(request).num_tokens
 
+    def held_prefix_hit_tokens(self, request_id: str) -> int | None:
+        """Of a request that is waiting and has computed nothing yet, the
+        prefix hit on blocks some request holds (KVCacheManager.held_prefix_tokens):
+        while the cache evicts, the hit its turn can count on. None for any
+        other request (started, preempted, unknown)."""
+        request = self._requests.get(request_id)
+        if request is None or request.status != RequestStatus.WAITING or request.num_computed_tokens:
+            return None
+        return self.kv_cache.held_prefix_tokens(request)
+
+    @property
+    def num_evicted_blocks(self) -> int:
+        """Cached blocks evicted from the prefix cache since start."""
+        return self.kv_cache.num_evicted_blocks
+
     def set_step_limits(self, max_running: int, max_batched_tokens: int | None,
                         cap_idle_steps: bool = True) -> None:
         """Cap the running batch below max_num_seqs and the tokens of one step

@@ -222,7 +222,8 @@ class Replica:
         the refusal, or None once the request is queued (start_if_idle
         then runs it)."""
         if self.admission is not None:
-            decision = self.admission.decide(request, self.scheduler.prefix_hit_tokens(request))
+            decision = self.admission.decide(request, self.scheduler.prefix_hit_tokens(request),
+                                             num_evicted_blocks=self.scheduler.num_evicted_blocks)
             if not decision.admitted:
                 return decision
         self._end_run_after_in_flight()
@@ -302,7 +303,7 @@ class Replica:
     def _start_step(self) -> None:
         now = self.clock.now_s
         if self.admission is not None:
-            limits = self.admission.before_step(len(self.scheduler.running), self._expire)
+            limits = self.admission.before_step(len(self.scheduler.running), self._expire, self.scheduler)
             self.scheduler.set_step_limits(*limits)
         if self.fast_forward and self._start_run():
             return
@@ -358,7 +359,8 @@ class Replica:
     def _start_run(self) -> bool:
         """Start a decode run of at least two steps, if the batch is steady.
         Valid with admission on because, with nothing waiting, no admitted
-        request is unstarted (nothing expires), and the step limits give
+        request is unstarted (nothing expires, no queued prefix hit needs
+        re-reading after an eviction), and the step limits give
         every running request its decode token (the budget only grows as
         the batch shrinks), so the steps skip no before_step's effect."""
         if self.run is not None and self._continue_run():
@@ -536,7 +538,7 @@ class Replica:
             return False
         now = self.clock.now_s
         if self.admission is not None:
-            scheduler.set_step_limits(*self.admission.before_step(len(scheduler.running), self._expire))
+            scheduler.set_step_limits(*self.admission.before_step(len(scheduler.running), self._expire, scheduler))
         out = run.schedule_step_with_waiting(step)
         if out is None:
             return False

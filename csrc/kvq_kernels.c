@@ -23,10 +23,12 @@
  * round(x/d)) with s = d*sum(q) kept for the Q4 offsets, as llama.cpp's Q8_1.
  *
  * Code paths chosen at run time (kvq_set_isa): portable C; AVX2 (+FMA, F16C);
- * and, where the CPU has AVX512-VNNI, the "best" one: VNNI matmul tiles and
- * 512-bit RMS-norm, activation quantization and SwiGLU (all bit-identical to AVX2) and
- * 512-bit attention tiles (the same results up to float summation order, as
- * AVX2 is to portable C).
+ * where the CPU has AVX512-VNNI, VNNI matmul tiles and 512-bit RMS-norm,
+ * activation quantization and SwiGLU (all bit-identical to AVX2) and 512-bit
+ * attention tiles (the same results up to float summation order, as AVX2 is
+ * to portable C); and, the "best" one where it also has AMX-INT8, the VNNI
+ * path with products of 16 or more activation rows on the AMX tiles
+ * (bit-identical to the VNNI tiles: see "AMX tiles").
  */
 #define _GNU_SOURCE  /* pthread_setname_np */
 #include <math.h>
@@ -36,8 +38,12 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <time.h>
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define KVQ_X86 1
 #endif
 
@@ -46,6 +52,12 @@ enum { KVQ_F32 = 0, KVQ_BF16 = 1 };
 #define QK 32
 #define NR 8
 #define KVQ_MAX_ROWS 8  /* activation rows per matmul tile, at most (the VNNI path's) */
+#define KVQ_AMX_ROWS 16  /* activation rows per AMX tile */
+/* Activation rows from which a matmul takes the AMX tiles where it has them
+ * (the same numbers either way: the choice is speed alone). */
+#ifndef KVQ_AMX_MIN_ROWS
+#define KVQ_AMX_MIN_ROWS 16
+#endif
 
 static int g_force_scalar = 0;
 
@@ -114,20 +126,25 @@ int kvq_has_avx512_vnni(void) {
 #endif
 }
 
-static int g_no_vnni = 0;
+static int g_no_vnni = 0, g_no_amx = 0;
 
-/* The matmul's path: 0 portable C, 2 AVX2, 3 AVX2 with VNNI. */
+/* The matmul's path: 0 portable C, 2 AVX2, 3 AVX2 with VNNI (and AVX-512
+ * beside it; the AMX tiles, where amx_enabled(), are on top of this path). */
 static int matmul_isa(void) {
     if (g_force_scalar || !kvq_has_avx2()) return 0;
     return !g_no_vnni && kvq_has_avx512_vnni() ? 3 : 2;
 }
 
+static int amx_enabled(void);
+
 /* mode 0: the best path the CPU has; 1: pin the portable path; 2: AVX2 without
- * VNNI (tests compare the paths). Returns the matmul's path (as matmul_isa). */
+ * VNNI; 3: VNNI without the AMX tiles (tests compare the paths). Returns the
+ * matmul's path: as matmul_isa, or 4 where the AMX tiles take its larger products. */
 int kvq_set_isa(int mode) {
     g_force_scalar = mode == 1;
     g_no_vnni = mode == 2;
-    return matmul_isa();
+    g_no_amx = mode == 3;
+    return amx_enabled() ? 4 : matmul_isa();
 }
 
 /* ---- the pool ------------------------------------------------------------ */
@@ -151,7 +168,7 @@ static struct {
     pthread_cond_t wake;
     int num_helpers;  /* started so far; they live until the process ends */
     pthread_t threads[KVQ_MAX_HELPERS];
-    uint32_t generation;  /* under mu */
+    uint32_t generation;  /* written under mu; helpers also read it without (atomically) while they spin */
     chunk_fn fn;          /* the job: under mu */
     const void* ctx;
     int64_t num_chunks;
@@ -174,6 +191,31 @@ static void run_chunks(chunk_fn fn, const void* ctx, uint32_t generation, int64_
     if (finished) atomic_fetch_add(&g_pool.done, finished);  /* once: the count's line bounces between cores */
 }
 
+/* After a job, a helper watches for the next one for up to KVQ_SPIN_US before
+ * it sleeps on the condition variable: a step's layers run back to back, one
+ * job microseconds after the last (two per matmul: quantize, then multiply),
+ * and a futex wake-up of a sleeping helper costs tens of microseconds on a VM
+ * (a 256-row activation quantization ran no faster on 2 threads than on 1).
+ * Between steps (milliseconds apart) it sleeps as before, and the caller still
+ * never waits for a helper: spinning only lets one join sooner. */
+#ifndef KVQ_SPIN_US
+#define KVQ_SPIN_US 50
+#endif
+static void spin_for_next_job(uint32_t seen) {
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (int spins = 1;; spins++) {
+        if (__atomic_load_n(&g_pool.generation, __ATOMIC_ACQUIRE) != seen) return;
+#ifdef KVQ_X86
+        __builtin_ia32_pause();
+#endif
+        if (spins % 64 == 0) {
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            if ((now.tv_sec - start.tv_sec) * 1000000000L + (now.tv_nsec - start.tv_nsec) > KVQ_SPIN_US * 1000L) return;
+        }
+    }
+}
+
 static void* helper_main(void* arg) {
     const int index = (int)(intptr_t)arg;
     uint32_t seen = 0;
@@ -189,6 +231,7 @@ static void* helper_main(void* arg) {
         const int takes_part = index < g_pool.max_helpers;
         pthread_mutex_unlock(&g_pool.mu);
         if (takes_part) run_chunks(fn, ctx, seen, num_chunks);
+        spin_for_next_job(seen);
         pthread_mutex_lock(&g_pool.mu);
     }
     return NULL;
@@ -226,7 +269,7 @@ static void parallel_chunks(int num_threads, int64_t num_chunks, chunk_fn fn, co
         pthread_detach(g_pool.threads[g_pool.num_helpers]);
         g_pool.num_helpers++;
     }
-    const uint32_t generation = ++g_pool.generation;
+    const uint32_t generation = __atomic_add_fetch(&g_pool.generation, 1, __ATOMIC_RELEASE);
     g_pool.fn = fn; g_pool.ctx = ctx; g_pool.num_chunks = num_chunks; g_pool.max_helpers = helpers;
     atomic_store(&g_pool.done, 0);
     atomic_store(&g_pool.ticket, (uint64_t)generation << 32);
@@ -298,29 +341,81 @@ static void quantize_row_avx2(const void* x, int xtype, int64_t K, int8_t* q, fl
     }
 }
 
+/* Lane k of the result: v[k]'s 16 lanes folded by OP (add, max), for k < 16.
+ * Pairs of vectors fold within 128-bit lanes, then across them: 45 ops for
+ * 16 results, where one horizontal fold per vector costs ~8. Every result
+ * folds its lanes in the same order, whichever k it is. */
+#define KVQ_FOLD16X16(NAME, OP)                                                                             \
+    __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw"), always_inline)) static inline        \
+    __m512 NAME(const __m512 v[16]) {                                                                        \
+        __m512 t[8], u[4];                                                                                   \
+        for (int k = 0; k < 8; k++) /* per 128-bit lane: [a0 op a2, b0 op b2, a1 op a3, b1 op b3] */         \
+            t[k] = OP(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1])); \
+        for (int k = 0; k < 4; k++) { /* per 128-bit lane: the 4 vectors' folds of that lane */             \
+            const __m512d a = _mm512_castps_pd(t[2 * k]), b = _mm512_castps_pd(t[2 * k + 1]);                \
+            u[k] = OP(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b))); \
+        }                                                                                                    \
+        const int even = _MM_SHUFFLE(2, 0, 2, 0), odd = _MM_SHUFFLE(3, 1, 3, 1);                             \
+        const __m512 w0 = OP(_mm512_shuffle_f32x4(u[0], u[1], even), _mm512_shuffle_f32x4(u[0], u[1], odd)); \
+        const __m512 w1 = OP(_mm512_shuffle_f32x4(u[2], u[3], even), _mm512_shuffle_f32x4(u[2], u[3], odd)); \
+        return OP(_mm512_shuffle_f32x4(w0, w1, even), _mm512_shuffle_f32x4(w0, w1, odd));                   \
+    }
+KVQ_FOLD16X16(hsum16x16_avx512, _mm512_add_ps)
+KVQ_FOLD16X16(hmax16x16_avx512, _mm512_max_ps)
+
 /* quantize_row_avx2 a block per two 512-bit registers, op for op per lane
- * (the same max, rounding and saturating narrowing): the same bytes and scales. */
-__attribute__((target("avx2,fma,f16c,avx512f")))
+ * (the same max, rounding and saturating narrowing): the same bytes and scales.
+ * Sixteen blocks at a time: their maxima and sums of q folded into one vector
+ * each (max is exact in any order, and the sums are of integers below 2^24,
+ * exact in float too), and their scales divided as one vector (IEEE division,
+ * as the scalar one), where a block alone waited on its horizontal folds and
+ * a scalar division (~0.55 ns a value on this path before). */
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
+static inline __m512 load_block_half_avx512(const void* x, int xtype, int64_t i) {
+    if (xtype == KVQ_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)x + i))), 16));
+    return _mm512_loadu_ps((const float*)x + i);
+}
+
+/* Block b's int8 values (with inverse scale inv) into q; returns their 16 partial sums as floats. */
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw"), always_inline))
+static inline __m512i quantize_block_avx512(const void* x, int xtype, int64_t b, float inv, int8_t* q) {
+    const __m512 vinv = _mm512_set1_ps(inv);
+    __m512i sum = _mm512_setzero_si512();
+    for (int i = 0; i < 2; i++) {
+        const __m512 v = load_block_half_avx512(x, xtype, b * QK + 16 * i);
+        const __m512i qi = _mm512_cvtps_epi32(
+            _mm512_roundscale_ps(_mm512_mul_ps(v, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm_storeu_si128((__m128i*)(q + b * QK + 16 * i), _mm512_cvtsepi32_epi8(qi));
+        sum = _mm512_add_epi32(sum, qi);
+    }
+    return sum;
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
 static void quantize_row_avx512(const void* x, int xtype, int64_t K, int8_t* q, float* d, float* s) {
-    for (int64_t b = 0; b < K / QK; b++) {
-        __m512 v[2];
-        for (int i = 0; i < 2; i++) {
-            if (xtype == KVQ_BF16) {
-                __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)x + b * QK + 16 * i));
-                v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-            } else {
-                v[i] = _mm512_loadu_ps((const float*)x + b * QK + 16 * i);
-            }
-        }
-        const float am = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    const int64_t nb = K / QK;
+    int64_t b = 0;
+    for (; b + 16 <= nb; b += 16) {
+        __m512 folds[16];
+        for (int i = 0; i < 16; i++)
+            folds[i] = _mm512_max_ps(_mm512_abs_ps(load_block_half_avx512(x, xtype, (b + i) * QK)),
+                                     _mm512_abs_ps(load_block_half_avx512(x, xtype, (b + i) * QK + 16)));
+        const __m512 am = hmax16x16_avx512(folds);
+        const __m512 scale = _mm512_div_ps(am, _mm512_set1_ps(127.f));
+        float inv[16];
+        _mm512_storeu_ps(inv, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(am, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                                  _mm512_set1_ps(127.f), am));
+        for (int i = 0; i < 16; i++) folds[i] = _mm512_cvtepi32_ps(quantize_block_avx512(x, xtype, b + i, inv[i], q));
+        _mm512_storeu_ps(d + b, scale);
+        _mm512_storeu_ps(s + b, _mm512_mul_ps(scale, hsum16x16_avx512(folds)));
+    }
+    for (; b < nb; b++) {
+        const float am = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(load_block_half_avx512(x, xtype, b * QK)),
+                                                            _mm512_abs_ps(load_block_half_avx512(x, xtype, b * QK + 16))));
         const float scale = am / 127.f, inv = am > 0.f ? 127.f / am : 0.f;
-        const __m512 vinv = _mm512_set1_ps(inv);
-        __m512i qi[2];
-        for (int i = 0; i < 2; i++) {
-            qi[i] = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v[i], vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            _mm_storeu_si128((__m128i*)(q + b * QK + 16 * i), _mm512_cvtsepi32_epi8(qi[i]));
-        }
-        d[b] = scale; s[b] = scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qi[0], qi[1]));
+        d[b] = scale; s[b] = scale * (float)_mm512_reduce_add_epi32(quantize_block_avx512(x, xtype, b, inv, q));
     }
 }
 
@@ -707,6 +802,156 @@ static void pair_tile_vnni(int wtype, const uint8_t* wg0, const uint8_t* wg1, in
     for (int r = 0; r < MR; r++)
         _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(accf[r], add ? _mm512_loadu_ps(add + r * ldadd) : _mm512_setzero_ps()));
 }
+
+/* ---- AMX tiles ------------------------------------------------------------ */
+
+/* Where the CPU has AMX-INT8 (and Linux grants the process its tile state), a
+ * matmul of KVQ_AMX_MIN_ROWS activation rows or more multiplies 16 x 16 tiles:
+ * per 32-wide block, TDPBSUD (Q4: signed activations x unsigned nibbles) or
+ * TDPBSSD (Q8_0) gives the same exact int32 dot products as the VNNI tiles,
+ * and the float epilogue is pair_q4_vnni's / group_q8_vnni's op for op, in the
+ * same block order. So every output is the float the VNNI path computes, and a
+ * row's numbers never depend on how many rows share its step (the path is
+ * chosen by the row count). A block at a time because each has its own weight
+ * and activation scales; the epilogue, not the tile unit, bounds the speed.
+ * Each chunk's weights are unpacked once into the tiles' layout and reused by
+ * every 16 activation rows. */
+#define KVQ_AMX_PAIR_BYTES 512   /* one block's B tile: 8 rows of 4 inputs x 16 weight rows x 4 */
+#define KVQ_AMX __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")))
+
+/* AMX-TILE and AMX-INT8 (CPUID 7.0 EDX bits 24, 25) and the kernel's leave to
+ * use them: Linux hands a process the 8 KB of tile data only on request
+ * (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, process-wide, Linux >= 5.16). */
+int kvq_has_amx(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        unsigned a, b, c, d;
+        int ok = kvq_has_avx512_vnni() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1);
+        cached = ok && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    }
+    return cached;
+}
+
+static int amx_enabled(void) { return matmul_isa() == 3 && !g_no_amx && kvq_has_amx(); }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) amx_config;
+
+/* tmm0, tmm1: C, 16 rows x 16 int32; tmm2, tmm3: A, 16 rows x one block (32
+ * int8); tmm4, tmm5: B, 8 rows (4 inputs each) x 16 weight rows x 4 bytes.
+ * Two of each so one block's product runs while the previous one's epilogue does. */
+KVQ_AMX static void amx_configure(void) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 2; t++) {
+        cfg.rows[t] = KVQ_AMX_ROWS; cfg.colsb[t] = 64;
+        cfg.rows[2 + t] = KVQ_AMX_ROWS; cfg.colsb[2 + t] = QK;
+        cfg.rows[4 + t] = QK / 4; cfg.colsb[4 + t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* A pair of groups (wg1 NULL: the second is padding, all zero) unpacked for
+ * the tiles: per block, B as tiles[b * 512 + 64 * s + 4 * n + j] = weight row n's
+ * input 4s + j (Q4 nibbles widened to bytes), and its scales as floats,
+ * dw[16 * b + n] and mw[16 * b + n] (Q4_1's m, Q4_0's -8 d; unused for Q8_0),
+ * converted as pair_q4_vnni converts them. */
+KVQ_AMX static void amx_pack_pair(int wtype, const uint8_t* wg0, const uint8_t* wg1, int64_t nb, int64_t bb,
+                                  uint8_t* tiles, float* dw, float* mw) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const int has_m = wtype == KVQ_Q4_1, nib_off = has_m ? 32 : 16;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk0 = wg0 + b * bb, *blk1 = wg1 ? wg1 + b * bb : NULL;
+        uint8_t* t = tiles + b * KVQ_AMX_PAIR_BYTES;
+        for (int half = 0; half < 2; half++) {
+            const uint8_t* blk = half ? blk1 : blk0;
+            uint8_t* th = t + 32 * half;
+            if (blk == NULL) {
+                for (int s = 0; s < 8; s++) _mm256_storeu_si256((__m256i*)(th + 64 * s), _mm256_setzero_si256());
+                _mm256_storeu_ps(dw + 16 * b + 8 * half, _mm256_setzero_ps());
+                _mm256_storeu_ps(mw + 16 * b + 8 * half, _mm256_setzero_ps());
+                continue;
+            }
+            if (wtype == KVQ_Q8_0) {
+                for (int s = 0; s < 8; s++)
+                    _mm256_storeu_si256((__m256i*)(th + 64 * s), _mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * s)));
+            } else {
+                for (int c = 0; c < 4; c++) {
+                    __m256i raw = _mm256_loadu_si256((const __m256i*)(blk + nib_off + 32 * c));
+                    _mm256_storeu_si256((__m256i*)(th + 64 * c), _mm256_and_si256(raw, low));
+                    _mm256_storeu_si256((__m256i*)(th + 64 * (c + 4)), _mm256_and_si256(_mm256_srli_epi16(raw, 4), low));
+                }
+            }
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
+            _mm256_storeu_ps(dw + 16 * b + 8 * half, d);
+            _mm256_storeu_ps(mw + 16 * b + 8 * half, has_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16)))
+                                                           : _mm256_mul_ps(d, _mm256_set1_ps(-8.f)));
+        }
+    }
+}
+
+/* One block's int32 products (C, [16][16]) into the float accumulators of all
+ * 16 rows: pair_q4_vnni's / group_q8_vnni's epilogue, lane for lane. All 16
+ * always, so the accumulators stay in registers (rows past M have zero
+ * scales: their sums are zeros nobody stores). */
+#define KVQ_AMX_EPILOGUE(HAS_OFFSET)                                                                     \
+    KVQ_AMX __attribute__((always_inline)) static inline void amx_epilogue_##HAS_OFFSET(                \
+        const int32_t (*c)[16], int64_t b, const float* dw, const float* mw, const float* dat,           \
+        const float* sat, __m512 acc[KVQ_AMX_ROWS]) {                                                    \
+        const __m512 dwb = _mm512_loadu_ps(dw + 16 * b), mwb = _mm512_loadu_ps(mw + 16 * b);             \
+        const float *dab = dat + 16 * b, *sab = sat + 16 * b;                                            \
+        for (int r = 0; r < KVQ_AMX_ROWS; r++) {                                                         \
+            __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(c[r]));                                    \
+            acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dwb, _mm512_set1_ps(dab[r])), acc[r]);           \
+            if (HAS_OFFSET) acc[r] = _mm512_fmadd_ps(mwb, _mm512_set1_ps(sab[r]), acc[r]);               \
+        }                                                                                                \
+    }
+KVQ_AMX_EPILOGUE(0)
+KVQ_AMX_EPILOGUE(1)
+
+/* One block's product into C: Q4 (unsigned nibbles) or Q8_0 (signed bytes). */
+#define KVQ_AMX_PRODUCT(HAS_OFFSET, C, A, B, blk)                                    \
+    do {                                                                             \
+        _tile_zero(C);                                                               \
+        _tile_loadd(A, qa + (blk) * QK, K);                                          \
+        _tile_loadd(B, tiles + (blk) * KVQ_AMX_PAIR_BYTES, 64);                       \
+        if (HAS_OFFSET) _tile_dpbsud(C, A, B); else _tile_dpbssd(C, A, B);           \
+    } while (0)
+
+/* out = the 16 weight rows of a packed pair against activation rows m0 ..
+ * m0 + 15 (qa at row m0; dat, sat: the tile's scales, [nb][16]): Q4
+ * (HAS_OFFSET) or Q8_0. The accumulators
+ * are this function's own: the tile intrinsics are asm that may touch any
+ * memory, so accumulators behind a pointer would go to memory at every tile op. */
+#define KVQ_AMX_PAIR_TILE(HAS_OFFSET)                                                                      \
+    KVQ_AMX static void amx_pair_tile_##HAS_OFFSET(const uint8_t* tiles, const float* dw, const float* mw,   \
+                                                    int64_t nb, const int8_t* qa, int64_t K, const float* dat, \
+                                                    const float* sat, float out[KVQ_AMX_ROWS][16]) {       \
+        __m512 acc[KVQ_AMX_ROWS];                                                                          \
+        int32_t c0[KVQ_AMX_ROWS][16] __attribute__((aligned(64)));                                         \
+        int32_t c1[KVQ_AMX_ROWS][16] __attribute__((aligned(64)));                                         \
+        for (int r = 0; r < KVQ_AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();                               \
+        KVQ_AMX_PRODUCT(HAS_OFFSET, 0, 2, 4, 0);                                                           \
+        for (int64_t b = 0; b < nb; b += 2) {                                                              \
+            _tile_stored(0, c0, 64);                                                                       \
+            if (b + 1 < nb) KVQ_AMX_PRODUCT(HAS_OFFSET, 1, 3, 5, b + 1); /* during block b's epilogue */   \
+            amx_epilogue_##HAS_OFFSET((const int32_t (*)[16])c0, b, dw, mw, dat, sat, acc);                \
+            if (b + 1 >= nb) break;                                                                        \
+            _tile_stored(1, c1, 64);                                                                       \
+            if (b + 2 < nb) KVQ_AMX_PRODUCT(HAS_OFFSET, 0, 2, 4, b + 2);                                   \
+            amx_epilogue_##HAS_OFFSET((const int32_t (*)[16])c1, b + 1, dw, mw, dat, sat, acc);            \
+        }                                                                                                  \
+        for (int r = 0; r < KVQ_AMX_ROWS; r++) _mm512_store_ps(out[r], acc[r]);                            \
+    }
+KVQ_AMX_PAIR_TILE(0)
+KVQ_AMX_PAIR_TILE(1)
+#else
+static int amx_enabled(void) { return 0; }
+int kvq_has_amx(void) { return 0; }
 #endif
 
 /* Activation rows per tile: the most a path's registers hold. */
@@ -755,10 +1000,16 @@ typedef struct {
     void* y;
     int8_t* qa;
     float *da, *sa;
+    int64_t chunk_groups;  /* groups per chunk: KVQ_GROUPS, or KVQ_AMX_GROUPS on the tiles */
+    int amx;  /* the AMX tiles take the products: qa has M rounded up to 16 rows, and */
+    float *dat, *sat;  /* da and sa per 16-row tile as [nb][16] (zero past M) */
 } matmul_job;
 
 #define KVQ_QUANT_ROWS 16  /* activation rows per chunk of the quantization job */
 #define KVQ_GROUPS 4       /* groups of 8 weight rows per chunk of the matmul job */
+#ifndef KVQ_AMX_GROUPS
+#define KVQ_AMX_GROUPS 2   /* ... on the AMX tiles: one pair, whose unpacked blocks (9-24 KB) share L1 with the A tiles */
+#endif
 /* Activation rows x packed weight bytes below which the matmul uses no helper. */
 #ifndef KVQ_MIN_PARALLEL_BYTES
 #define KVQ_MIN_PARALLEL_BYTES (1 << 20)
@@ -769,13 +1020,94 @@ static void quantize_chunk(const void* ctx, int64_t chunk) {
     const int64_t m1 = (chunk + 1) * KVQ_QUANT_ROWS < j->M ? (chunk + 1) * KVQ_QUANT_ROWS : j->M;
     for (int64_t m = chunk * KVQ_QUANT_ROWS; m < m1; m++)
         quantize_row(j->x, j->xtype, j->K, j->ldx, j->xop, j->norm_w, j->eps, m, j->qa, j->da, j->sa, j->isa);
+    if (!j->amx) return;
+    /* The tiles' scales, each block's 16 rows side by side (one chunk is one tile). */
+    float *dat = j->dat + chunk * KVQ_AMX_ROWS * j->nb, *sat = j->sat + chunk * KVQ_AMX_ROWS * j->nb;
+    for (int64_t b = 0; b < j->nb; b++)
+        for (int r = 0; r < KVQ_AMX_ROWS; r++) {
+            const int64_t m = chunk * KVQ_QUANT_ROWS + r;
+            dat[b * KVQ_AMX_ROWS + r] = m < m1 ? j->da[m * j->nb + b] : 0.f;
+            sat[b * KVQ_AMX_ROWS + r] = m < m1 ? j->sa[m * j->nb + b] : 0.f;
+        }
 }
+
+#ifdef KVQ_X86
+/* Rows m0 .. m0 + MR - 1, columns n0 .. n0 + 15 (those below N) of the output,
+ * from a pair tile's sums: matmul_tile's stores, value for value. */
+KVQ_AMX static void amx_store(const matmul_job* j, int64_t m0, int MR, int64_t n0, const float (*sums)[16]) {
+    const int64_t count = j->N - n0 < 16 ? j->N - n0 : 16;
+    const size_t ysz = j->ytype == KVQ_BF16 ? 2 : 4, asz = j->addtype == KVQ_BF16 ? 2 : 4;
+    const int direct = count == 16 && j->ytype == KVQ_F32 && (j->add == NULL || j->addtype == KVQ_F32);
+    for (int r = 0; r < MR; r++) {
+        const int64_t m = m0 + r;
+        if (direct) {
+            const __m512 add = j->add ? _mm512_loadu_ps((const float*)j->add + m * j->ldadd + n0) : _mm512_setzero_ps();
+            _mm512_storeu_ps((float*)j->y + m * j->ldy + n0, _mm512_add_ps(_mm512_load_ps(sums[r]), add));
+            continue;
+        }
+        const float* out = sums[r];
+        void* yrow = (char*)j->y + (size_t)m * j->ldy * ysz;
+        const void* arow = j->add ? (const char*)j->add + (size_t)m * j->ldadd * asz : NULL;
+        for (int64_t i = 0; i < count; i++)
+            store_y(yrow, j->ytype, n0 + i, out[i] + (arow ? load_x(arow, j->addtype, n0 + i) : 0.f));
+    }
+}
+
+/* Scratch for a chunk's unpacked weights: one buffer per thread, grown as needed and kept. */
+static uint8_t* amx_scratch_for(int64_t num_bytes) {
+    static __thread uint8_t* buffer = NULL;
+    static __thread int64_t capacity = 0;
+    if (num_bytes > capacity) {
+        free(buffer);
+        buffer = aligned_alloc(64, (size_t)((num_bytes + 63) / 64 * 64));
+        capacity = buffer ? num_bytes : 0;
+    }
+    return buffer;
+}
+
+/* matmul_chunk on the tiles: its groups unpacked once (pairs of 16 weight
+ * rows), then every 16 activation rows against each pair. Returns 0 where the
+ * scratch cannot be had (the caller then runs the VNNI tiles: the same numbers). */
+KVQ_AMX static int matmul_chunk_amx(const matmul_job* j, int64_t chunk) {
+    const int64_t g0 = chunk * j->chunk_groups, g1 = g0 + j->chunk_groups < j->groups ? g0 + j->chunk_groups : j->groups;
+    const int64_t num_pairs = (g1 - g0 + 1) / 2, tile_bytes = j->nb * KVQ_AMX_PAIR_BYTES;
+    const int64_t pair_bytes = tile_bytes + 2 * 16 * j->nb * (int64_t)sizeof(float);
+    uint8_t* scratch = amx_scratch_for(num_pairs * pair_bytes);
+    if (scratch == NULL) return 0;
+    for (int64_t p = 0; p < num_pairs; p++) {
+        const int64_t g = g0 + 2 * p;
+        float* dw = (float*)(scratch + p * pair_bytes + tile_bytes);
+        amx_pack_pair(j->wtype, j->w + g * j->nb * j->bb, g + 1 < g1 ? j->w + (g + 1) * j->nb * j->bb : NULL, j->nb,
+                      j->bb, scratch + p * pair_bytes, dw, dw + 16 * j->nb);
+    }
+    amx_configure();
+    float sums[KVQ_AMX_ROWS][16] __attribute__((aligned(64)));
+    for (int64_t m0 = 0; m0 < j->M; m0 += KVQ_AMX_ROWS) {
+        const int MR = (int)(j->M - m0 < KVQ_AMX_ROWS ? j->M - m0 : KVQ_AMX_ROWS);
+        for (int64_t p = 0; p < num_pairs; p++) {
+            const float* dw = (const float*)(scratch + p * pair_bytes + tile_bytes);
+            if (j->wtype == KVQ_Q8_0)
+                amx_pair_tile_0(scratch + p * pair_bytes, dw, dw + 16 * j->nb, j->nb, j->qa + m0 * j->K, j->K,
+                                j->dat + m0 * j->nb, j->sat + m0 * j->nb, sums);
+            else
+                amx_pair_tile_1(scratch + p * pair_bytes, dw, dw + 16 * j->nb, j->nb, j->qa + m0 * j->K, j->K,
+                                j->dat + m0 * j->nb, j->sat + m0 * j->nb, sums);
+            amx_store(j, m0, MR, (g0 + 2 * p) * NR, (const float (*)[16])sums);
+        }
+    }
+    _tile_release();  /* no tile state left live: a context switch saves 8 KB less */
+    return 1;
+}
+#endif
 
 /* A chunk's weights (KVQ_GROUPS groups, ~12 KB at K=576) stay in L1 while every
  * activation row passes over them, tile_rows() rows per tile. */
 static void matmul_chunk(const void* ctx, int64_t chunk) {
     const matmul_job* j = ctx;
-    const int64_t g0 = chunk * KVQ_GROUPS, g1 = g0 + KVQ_GROUPS < j->groups ? g0 + KVQ_GROUPS : j->groups;
+#ifdef KVQ_X86
+    if (j->amx && matmul_chunk_amx(j, chunk)) return;
+#endif
+    const int64_t g0 = chunk * j->chunk_groups, g1 = g0 + j->chunk_groups < j->groups ? g0 + j->chunk_groups : j->groups;
     /* Pairs only where the weights are reused from L1 (M >= 4): a decode step's
      * rows stream them from DRAM, where one group's sequential blocks ran faster
      * (the default model's batch-1 decode step: 0.75-0.88x with pairs). */
@@ -815,21 +1147,26 @@ int kvq_matmul(int wtype, const uint8_t* w, int64_t N, int64_t K, const void* x,
                int64_t M, void* y, int ytype, int64_t ldy, const void* add, int addtype, int64_t ldadd,
                int num_threads) {
     const int64_t nb = K / QK;
-    uint8_t* scratch = scratch_for(M * K + 8 * M * nb);
+    const int amx = M >= KVQ_AMX_MIN_ROWS && amx_enabled();
+    /* The tiles take 16 activation rows at a time: rows past M exist, with zero scales. */
+    const int64_t rows = amx ? (M + KVQ_AMX_ROWS - 1) / KVQ_AMX_ROWS * KVQ_AMX_ROWS : M;
+    uint8_t* scratch = scratch_for(rows * K + 8 * M * nb + (amx ? 8 * rows * nb : 0));
     if (scratch == NULL) return -1;
     matmul_job j = {wtype, xtype, xop, ytype, addtype, matmul_isa(), w, N, K, nb,
                     kvq_block_bytes(wtype), (N + NR - 1) / NR, ldx, M, ldy, ldadd, x, norm_w, add, eps, y,
-                    (int8_t*)scratch, NULL, NULL};
-    j.da = (float*)(scratch + M * K);
+                    (int8_t*)scratch, NULL, NULL, amx ? KVQ_AMX_GROUPS : KVQ_GROUPS, amx, NULL, NULL};
+    j.da = (float*)(scratch + rows * K);
     j.sa = j.da + M * nb;
+    j.dat = j.sa + M * nb;
+    j.sat = j.dat + rows * nb;
     parallel_chunks(num_threads, (M + KVQ_QUANT_ROWS - 1) / KVQ_QUANT_ROWS, quantize_chunk, &j);
     /* A small product runs on the caller alone: waking a helper (a futex
      * wake-up, an IPI on a VM) cost ~12 us per job, more than the helper
      * saves on a batch-1 decode step's qkv, o and down projections (7-15 us
      * on one thread; 2 threads measured slower), ~90 such jobs a step. */
     const int64_t work_bytes = M * j.groups * nb * j.bb;
-    parallel_chunks(work_bytes < KVQ_MIN_PARALLEL_BYTES ? 1 : num_threads, (j.groups + KVQ_GROUPS - 1) / KVQ_GROUPS,
-                    matmul_chunk, &j);
+    parallel_chunks(work_bytes < KVQ_MIN_PARALLEL_BYTES ? 1 : num_threads,
+                    (j.groups + j.chunk_groups - 1) / j.chunk_groups, matmul_chunk, &j);
     return 0;
 }
 
@@ -1179,24 +1516,6 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
 static void swiglu_avx512(const void* row, int xtype, int64_t K, float* out) {
     for (int64_t k = 0; k < K; k += 16)
         _mm512_storeu_ps(out + k, swiglu16_avx512(cache16_avx512(row, xtype, k), cache16_avx512(row, xtype, K + k)));
-}
-
-/* Lane k of the result: the sum of v[k]'s 16 lanes, for k < 16. Pairs of
- * vectors fold within 128-bit lanes, then across them: 45 ops for 16 sums,
- * where one horizontal sum per vector costs ~8. Every sum adds its lanes in
- * the same order, whichever k it is. */
-KVQ_AVX512 __m512 hsum16x16_avx512(const __m512 v[16]) {
-    __m512 t[8], u[4];
-    for (int k = 0; k < 8; k++)  /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
-        t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-    for (int k = 0; k < 4; k++) {  /* per 128-bit lane: the 4 vectors' sums of that lane */
-        const __m512d a = _mm512_castps_pd(t[2 * k]), b = _mm512_castps_pd(t[2 * k + 1]);
-        u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    const int even = _MM_SHUFFLE(2, 0, 2, 0), odd = _MM_SHUFFLE(3, 1, 3, 1);
-    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], even), _mm512_shuffle_f32x4(u[0], u[1], odd));
-    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], even), _mm512_shuffle_f32x4(u[2], u[3], odd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, even), _mm512_shuffle_f32x4(w0, w1, odd));
 }
 
 /* Scores of query qg against keys krow[0..15] (D % 64 == 0): a key's four

@@ -26,10 +26,11 @@ from kvserve.model.quantized import KernelUnavailable, QuantizedWeight, prepare_
 pytestmark = pytest.mark.skipif(not quantized.kernels_available(), reason="quantized kernels not built")
 
 QTYPES = ["q8_0", "q4_0", "q4_1"]
-SHAPES = [(13, 32, 1), (200, 96, 17), (37, 160, 1), (64, 576, 17)]  # (N, K, M): odd N, K a multiple of 32
+# (N, K, M): odd N, K a multiple of 32; M = 17 and 40 take the AMX tiles where the CPU has them
+SHAPES = [(13, 32, 1), (200, 96, 17), (37, 160, 1), (64, 576, 17), (40, 64, 40)]
 
 
-_ISA_REQUESTS = {"avx512_vnni": "best", "avx2": "avx2", "portable": "portable"}
+_ISA_REQUESTS = {"amx": "best", "avx512_vnni": "avx512_vnni", "avx2": "avx2", "portable": "portable"}
 
 
 @pytest.fixture(params=list(_ISA_REQUESTS))
@@ -81,26 +82,49 @@ def test_vnni_path_is_bit_identical_to_avx2(qtype):
     so every output is the same float: checked over row counts that leave every
     remainder of a tile and group counts with a lone last group, float32 and
     bfloat16 inputs."""
-    if quantized.set_isa("best") != "avx512_vnni" or quantized.set_isa("avx2") != "avx2":
+    if quantized.set_isa("avx512_vnni") != "avx512_vnni" or quantized.set_isa("avx2") != "avx2":
         quantized.set_isa("best")
         pytest.skip("this CPU has no AVX512-VNNI path")
+    _assert_paths_agree_bit_for_bit(qtype, "avx2", "avx512_vnni", [(40, 64), (72, 576), (13, 96)],
+                                    [1, 3, 4, 7, 8, 9, 16, 19])
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_amx_tiles_are_bit_identical_to_vnni(qtype):
+    """The AMX tiles (16 activation rows x 16 weight rows, one 32-wide block
+    per tile product) give the VNNI tiles' exact int32 dot products and run
+    their float epilogue op for op, so every output is the same float and a
+    row's numbers do not depend on how many rows share its step (the tiles
+    take products of 16 rows or more): row counts around every multiple of
+    16, a lone last group, K of 1, 18 and 48 blocks, float32 and bfloat16."""
+    if quantized.set_isa("best") != "amx" or quantized.set_isa("avx512_vnni") != "avx512_vnni":
+        quantized.set_isa("best")
+        pytest.skip("this CPU has no AMX-INT8 tiles (or Linux does not grant them)")
+    _assert_paths_agree_bit_for_bit(qtype, "avx512_vnni", "best", [(40, 64), (72, 576), (13, 96), (24, 1536)],
+                                    [15, 16, 17, 31, 32, 33, 47, 100])
+
+
+def _assert_paths_agree_bit_for_bit(qtype: str, path_a: str, path_b: str, shapes: list, row_counts: list) -> None:
+    """Every output of `path_a` and `path_b` the same float: plain, with the
+    fused RMS norm and residual, SwiGLU, float32 and bfloat16 in and out."""
     gen = torch.Generator().manual_seed(11)
     try:
-        for n, k in [(40, 64), (72, 576), (13, 96)]:  # 5, 9 and 2 groups of 8 rows
+        for n, k in shapes:
             weight, _ = _weight(qtype, n, k, seed=n)
-            for m in [1, 3, 4, 7, 8, 9, 16, 19]:
+            for m in row_counts:
                 x, add = torch.randn(m, k, generator=gen), torch.randn(m, n, generator=gen)
                 norm_w = torch.rand(k, generator=gen) + 0.5
                 gate_up = torch.randn(m, 2 * k, generator=gen) * 4  # silu's both sides, past exp's easy range
                 outputs = {}
-                for path in ("avx2", "best"):
+                for path in (path_a, path_b):
                     quantized.set_isa(path)
                     outputs[path] = (weight.matmul(x, add, norm=(norm_w, 1e-5)),
                                      weight.matmul(x, out_dtype=torch.bfloat16),
+                                     weight.matmul(x.bfloat16(), add.bfloat16()),
                                      weight.matmul(gate_up, swiglu=True),
                                      weight.matmul(gate_up.bfloat16(), swiglu=True, out_dtype=torch.float32))
-                for avx2_out, vnni_out in zip(outputs["avx2"], outputs["best"]):
-                    assert torch.equal(avx2_out, vnni_out), f"N={n} K={k} M={m}"
+                for out_a, out_b in zip(outputs[path_a], outputs[path_b]):
+                    assert torch.equal(out_a, out_b), f"N={n} K={k} M={m}"
     finally:
         quantized.set_isa("best")
 

@@ -107,15 +107,17 @@ def kernel_threads(num_rows: int | None = None) -> int:
     return torch.get_num_threads()
 
 
-_ISA_MODES = {"best": 0, "portable": 1, "avx2": 2}  # kvq_set_isa's modes
-_ISA_NAMES = {0: "portable", 2: "avx2", 3: "avx512_vnni"}  # its answers: the matmul's path
+_ISA_MODES = {"best": 0, "portable": 1, "avx2": 2, "avx512_vnni": 3}  # kvq_set_isa's modes
+_ISA_NAMES = {0: "portable", 2: "avx2", 3: "avx512_vnni", 4: "amx"}  # its answers: the matmul's path
 
 
 def set_isa(isa: str) -> str:
     """Pin the kernels' code path: "portable" (C), "avx2" (AVX2, no AVX-512),
-    or "best" (the CPU's best: where it has AVX512-VNNI, VNNI matmul tiles and
-    512-bit quantization, SwiGLU and attention). Returns the path taken
-    ("portable", "avx2" or "avx512_vnni"); tests run each."""
+    "avx512_vnni" (VNNI matmul tiles and 512-bit quantization, SwiGLU and
+    attention, without AMX), or "best" (the CPU's best: where it also has
+    AMX-INT8, the VNNI path with its products of 16 or more activation rows
+    on the AMX tiles, the same numbers faster). Returns the path taken
+    ("portable", "avx2", "avx512_vnni" or "amx"); tests run each."""
     return _ISA_NAMES[require_kernels().kvq_set_isa(_ISA_MODES[isa])]
 
 

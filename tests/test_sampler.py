@@ -221,3 +221,18 @@ def test_rows_without_state_are_untouched(tiny_model_logits):
     logits = tiny_model_logits
     got = Sampler(device="cpu").process_logits(logits.clone(), [others[0], request, others[1]], {"pen": state})
     torch.testing.assert_close(got[[0, 2]], logits[[0, 2]])
+
+
+def test_row_argmax_picks_what_torch_argmax_picks():
+    """The CPU fast path (numpy's argmax) keeps torch's rules: the first of
+    equal maxima, a NaN counts as largest; other layouts take torch's."""
+    from kvserve.model.sampler import row_argmax
+
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(6, 300, generator=gen)
+    rows[1, 7] = rows[1, 200] = 1e9  # a tie: the first wins
+    rows[2, 50] = rows[2, 10] = float("nan")
+    rows[3] = 0.0  # all equal
+    for view in (rows, rows[:, ::2], rows.t().contiguous().t(), rows.double()):
+        assert torch.equal(row_argmax(view), view.argmax(dim=-1))
+    assert row_argmax(rows)[1:4].tolist() == [7, 10, 0]

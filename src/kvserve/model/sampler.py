@@ -117,7 +117,7 @@ class Sampler:
         request_id -> SamplingState for the requests that have one. May modify logits."""
         logprob_rows = self._logprob_rows(logits, requests)
         logits = self.process_logits(logits, requests, states)
-        token_ids = logits.argmax(dim=-1)
+        token_ids = row_argmax(logits)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if random_rows:
             token_ids[random_rows] = self._sample_random(logits[random_rows],
@@ -248,7 +248,17 @@ def race(probs: Tensor, noise: Tensor) -> Tensor:
     """argmax(probs / noise) per row, noise ~ Exp(1): token i wins with
     probability probs[i] / sum(probs) (unnormalised rows are fine)."""
     # A zero draw would make 0/0; Exp(1) draws this small are vanishingly rare anyway.
-    return (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+    return row_argmax(probs / noise.clamp_min_(1e-20))
+
+
+def row_argmax(rows: Tensor) -> Tensor:
+    """Each row's index of its largest value (the first one of equals; a NaN
+    counts as largest), as torch's argmax(dim=-1). On CPU through numpy's:
+    torch 2.13's CPU argmax read [32, 49152] float32 logits in 1.2-2.3 ms,
+    numpy's in 0.3 ms, a share of a batch-32 decode step (~40 ms) worth having."""
+    if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.dim() == 2 and rows.is_contiguous():
+        return torch.from_numpy(rows.numpy().argmax(axis=-1))
+    return rows.argmax(dim=-1)
 
 
 def logprob_of(row: Tensor, num_top: int, token_id: int) -> TokenLogprob:

@@ -30,7 +30,7 @@ from kvserve.contract import Request
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.model.device import resolve_dtype
 from kvserve.model.loader import load_model
-from kvserve.model.sampler import race
+from kvserve.model.sampler import race, row_argmax
 from kvserve.runner.model_runner import ModelRunner, kv_bytes_per_block
 from kvserve.runner.step_batch import build_step_batch
 from kvserve.scheduler.scheduler import ScheduledChunk, Scheduler
@@ -153,7 +153,7 @@ class DraftModelProposer:
                                  sdpa_context=not draft.model.attends_natively)
         hidden = draft.model.forward(batch.token_ids, draft.kv_caches, batch.meta)
         logits = draft.model.compute_logits(hidden.index_select(0, batch.sample_rows))
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = row_argmax(logits).tolist()
         sampled = [i for i, r in enumerate(requests) if r.request_id in q_rows]
         if not sampled:
             return tokens

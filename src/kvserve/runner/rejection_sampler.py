@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
-from kvserve.model.sampler import Sampler, SamplerOutput, TokenLogprob, logprob_of, race
+from kvserve.model.sampler import Sampler, SamplerOutput, TokenLogprob, logprob_of, race, row_argmax
 
 if TYPE_CHECKING:
     from kvserve.contract import Request
@@ -65,7 +65,7 @@ class RejectionSampler:
         logits = self.sampler.process_logits(logits, row_requests)
         random = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         probs = _probs_by_request(self.sampler, logits, requests, rows_of, random)
-        argmax = logits.argmax(dim=-1).tolist()
+        argmax = row_argmax(logits).tolist()
         out = SamplerOutput({}, {})
         for i, request in enumerate(requests):
             rows = rows_of[i]

@@ -27,7 +27,7 @@
  * activation quantization and SwiGLU (all bit-identical to AVX2) and 512-bit
  * attention tiles (the same results up to float summation order, as AVX2 is
  * to portable C); and, the "best" one where it also has AMX-INT8, the VNNI
- * path with products of 16 or more activation rows on the AMX tiles
+ * path with its larger products (16 rows or more for Q8_0, 48 for Q4) on the AMX tiles
  * (bit-identical to the VNNI tiles: see "AMX tiles").
  */
 #define _GNU_SOURCE  /* pthread_setname_np */
@@ -54,9 +54,16 @@ enum { KVQ_F32 = 0, KVQ_BF16 = 1 };
 #define KVQ_MAX_ROWS 8  /* activation rows per matmul tile, at most (the VNNI path's) */
 #define KVQ_AMX_ROWS 16  /* activation rows per AMX tile */
 /* Activation rows from which a matmul takes the AMX tiles where it has them
- * (the same numbers either way: the choice is speed alone). */
-#ifndef KVQ_AMX_MIN_ROWS
-#define KVQ_AMX_MIN_ROWS 16
+ * (the same numbers either way: the choice is speed alone). Measured on one
+ * layer's four matmuls of the default model (2 threads, 2026-12-06 Xeon):
+ * Q8_0 1.34x the VNNI tiles at 16 rows, 2.0x at 64; Q4 0.88x at 17-24 rows
+ * (the VNNI tiles sum a Q4 block in few ops; the tiles pay an unpack of the
+ * nibbles per call), 1.0x at 32-40, 1.07x at 48, 1.1-1.4x from 96. */
+#ifndef KVQ_AMX_MIN_ROWS_Q8
+#define KVQ_AMX_MIN_ROWS_Q8 16
+#endif
+#ifndef KVQ_AMX_MIN_ROWS_Q4
+#define KVQ_AMX_MIN_ROWS_Q4 48
 #endif
 
 static int g_force_scalar = 0;
@@ -806,7 +813,7 @@ static void pair_tile_vnni(int wtype, const uint8_t* wg0, const uint8_t* wg1, in
 /* ---- AMX tiles ------------------------------------------------------------ */
 
 /* Where the CPU has AMX-INT8 (and Linux grants the process its tile state), a
- * matmul of KVQ_AMX_MIN_ROWS activation rows or more multiplies 16 x 16 tiles:
+ * matmul of enough activation rows (KVQ_AMX_MIN_ROWS_*) multiplies 16 x 16 tiles:
  * per 32-wide block, TDPBSUD (Q4: signed activations x unsigned nibbles) or
  * TDPBSSD (Q8_0) gives the same exact int32 dot products as the VNNI tiles,
  * and the float epilogue is pair_q4_vnni's / group_q8_vnni's op for op, in the
@@ -1147,7 +1154,7 @@ int kvq_matmul(int wtype, const uint8_t* w, int64_t N, int64_t K, const void* x,
                int64_t M, void* y, int ytype, int64_t ldy, const void* add, int addtype, int64_t ldadd,
                int num_threads) {
     const int64_t nb = K / QK;
-    const int amx = M >= KVQ_AMX_MIN_ROWS && amx_enabled();
+    const int amx = M >= (wtype == KVQ_Q8_0 ? KVQ_AMX_MIN_ROWS_Q8 : KVQ_AMX_MIN_ROWS_Q4) && amx_enabled();
     /* The tiles take 16 activation rows at a time: rows past M exist, with zero scales. */
     const int64_t rows = amx ? (M + KVQ_AMX_ROWS - 1) / KVQ_AMX_ROWS * KVQ_AMX_ROWS : M;
     uint8_t* scratch = scratch_for(rows * K + 8 * M * nb + (amx ? 8 * rows * nb : 0));

@@ -26,8 +26,8 @@ from kvserve.model.quantized import KernelUnavailable, QuantizedWeight, prepare_
 pytestmark = pytest.mark.skipif(not quantized.kernels_available(), reason="quantized kernels not built")
 
 QTYPES = ["q8_0", "q4_0", "q4_1"]
-# (N, K, M): odd N, K a multiple of 32; M = 17 and 40 take the AMX tiles where the CPU has them
-SHAPES = [(13, 32, 1), (200, 96, 17), (37, 160, 1), (64, 576, 17), (40, 64, 40)]
+# (N, K, M): odd N, K a multiple of 32; on the AMX tiles where the CPU has them: Q8_0 from M = 16, Q4 from 48
+SHAPES = [(13, 32, 1), (200, 96, 17), (37, 160, 1), (64, 576, 17), (40, 64, 50)]
 
 
 _ISA_REQUESTS = {"amx": "best", "avx512_vnni": "avx512_vnni", "avx2": "avx2", "portable": "portable"}
@@ -95,13 +95,14 @@ def test_amx_tiles_are_bit_identical_to_vnni(qtype):
     per tile product) give the VNNI tiles' exact int32 dot products and run
     their float epilogue op for op, so every output is the same float and a
     row's numbers do not depend on how many rows share its step (the tiles
-    take products of 16 rows or more): row counts around every multiple of
-    16, a lone last group, K of 1, 18 and 48 blocks, float32 and bfloat16."""
+    take products of 16 rows or more for Q8_0, 48 for Q4): row counts around
+    the thresholds and the multiples of 16, a lone last group, K of 1, 18
+    and 48 blocks, float32 and bfloat16."""
     if quantized.set_isa("best") != "amx" or quantized.set_isa("avx512_vnni") != "avx512_vnni":
         quantized.set_isa("best")
         pytest.skip("this CPU has no AMX-INT8 tiles (or Linux does not grant them)")
     _assert_paths_agree_bit_for_bit(qtype, "avx512_vnni", "best", [(40, 64), (72, 576), (13, 96), (24, 1536)],
-                                    [15, 16, 17, 31, 32, 33, 47, 100])
+                                    [15, 16, 17, 33, 47, 48, 49, 63, 65, 100])
 
 
 def _assert_paths_agree_bit_for_bit(qtype: str, path_a: str, path_b: str, shapes: list, row_counts: list) -> None:

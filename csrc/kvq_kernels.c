@@ -370,28 +370,22 @@ static void quantize_row_avx2(const void* x, int xtype, int64_t K, int8_t* q, fl
 KVQ_FOLD16X16(hsum16x16_avx512, _mm512_add_ps)
 KVQ_FOLD16X16(hmax16x16_avx512, _mm512_max_ps)
 
-/* quantize_row_avx2 a block per two 512-bit registers, op for op per lane
- * (the same max, rounding and saturating narrowing): the same bytes and scales.
- * Sixteen blocks at a time: their maxima and sums of q folded into one vector
- * each (max is exact in any order, and the sums are of integers below 2^24,
- * exact in float too), and their scales divided as one vector (IEEE division,
- * as the scalar one), where a block alone waited on its horizontal folds and
- * a scalar division (~0.55 ns a value on this path before). */
-__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
-static inline __m512 load_block_half_avx512(const void* x, int xtype, int64_t i) {
+/* 16 values of a float32 or bfloat16 row, as floats. */
+__attribute__((target("avx2,fma,f16c,avx512f")))
+static inline __m512 load16_avx512(const void* x, int xtype, int64_t i) {
     if (xtype == KVQ_BF16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)x + i))), 16));
     return _mm512_loadu_ps((const float*)x + i);
 }
 
-/* Block b's int8 values (with inverse scale inv) into q; returns their 16 partial sums as floats. */
+/* Block b's int8 values (with inverse scale inv) into q; returns their sums, 16 int32 lanes. */
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw"), always_inline))
 static inline __m512i quantize_block_avx512(const void* x, int xtype, int64_t b, float inv, int8_t* q) {
     const __m512 vinv = _mm512_set1_ps(inv);
     __m512i sum = _mm512_setzero_si512();
     for (int i = 0; i < 2; i++) {
-        const __m512 v = load_block_half_avx512(x, xtype, b * QK + 16 * i);
+        const __m512 v = load16_avx512(x, xtype, b * QK + 16 * i);
         const __m512i qi = _mm512_cvtps_epi32(
             _mm512_roundscale_ps(_mm512_mul_ps(v, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         _mm_storeu_si128((__m128i*)(q + b * QK + 16 * i), _mm512_cvtsepi32_epi8(qi));
@@ -400,6 +394,13 @@ static inline __m512i quantize_block_avx512(const void* x, int xtype, int64_t b,
     return sum;
 }
 
+/* quantize_row_avx2 a block per two 512-bit registers, op for op per lane
+ * (the same max, rounding and saturating narrowing): the same bytes and scales.
+ * Sixteen blocks at a time: their maxima and sums of q folded into one vector
+ * each (max is exact in any order, and the sums are of integers below 2^24,
+ * exact in float too), and their scales divided as one vector (IEEE division,
+ * as the scalar one), where a block alone waited on its horizontal folds and
+ * a scalar division (~0.55 ns a value on this path before). */
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
 static void quantize_row_avx512(const void* x, int xtype, int64_t K, int8_t* q, float* d, float* s) {
     const int64_t nb = K / QK;
@@ -407,8 +408,8 @@ static void quantize_row_avx512(const void* x, int xtype, int64_t K, int8_t* q, 
     for (; b + 16 <= nb; b += 16) {
         __m512 folds[16];
         for (int i = 0; i < 16; i++)
-            folds[i] = _mm512_max_ps(_mm512_abs_ps(load_block_half_avx512(x, xtype, (b + i) * QK)),
-                                     _mm512_abs_ps(load_block_half_avx512(x, xtype, (b + i) * QK + 16)));
+            folds[i] = _mm512_max_ps(_mm512_abs_ps(load16_avx512(x, xtype, (b + i) * QK)),
+                                     _mm512_abs_ps(load16_avx512(x, xtype, (b + i) * QK + 16)));
         const __m512 am = hmax16x16_avx512(folds);
         const __m512 scale = _mm512_div_ps(am, _mm512_set1_ps(127.f));
         float inv[16];
@@ -419,8 +420,8 @@ static void quantize_row_avx512(const void* x, int xtype, int64_t K, int8_t* q, 
         _mm512_storeu_ps(s + b, _mm512_mul_ps(scale, hsum16x16_avx512(folds)));
     }
     for (; b < nb; b++) {
-        const float am = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(load_block_half_avx512(x, xtype, b * QK)),
-                                                            _mm512_abs_ps(load_block_half_avx512(x, xtype, b * QK + 16))));
+        const float am = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(load16_avx512(x, xtype, b * QK)),
+                                                            _mm512_abs_ps(load16_avx512(x, xtype, b * QK + 16))));
         const float scale = am / 127.f, inv = am > 0.f ? 127.f / am : 0.f;
         d[b] = scale; s[b] = scale * (float)_mm512_reduce_add_epi32(quantize_block_avx512(x, xtype, b, inv, q));
     }
@@ -452,14 +453,6 @@ static void rms_norm_row_avx2(const void* row, int xtype, int64_t K, const void*
     for (int64_t k = 0; k < K; k += 8)
         _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_mul_ps(load8_avx2(row, xtype, k), inv),
                                                 load8_avx2(norm_w, xtype, k)));
-}
-
-__attribute__((target("avx2,fma,f16c,avx512f")))
-static inline __m512 load16_avx512(const void* x, int xtype, int64_t i) {
-    if (xtype == KVQ_BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)x + i))), 16));
-    return _mm512_loadu_ps((const float*)x + i);
 }
 
 __attribute__((target("avx2,fma,f16c,avx512f")))

@@ -115,9 +115,10 @@ def set_isa(isa: str) -> str:
     """Pin the kernels' code path: "portable" (C), "avx2" (AVX2, no AVX-512),
     "avx512_vnni" (VNNI matmul tiles and 512-bit quantization, SwiGLU and
     attention, without AMX), or "best" (the CPU's best: where it also has
-    AMX-INT8, the VNNI path with its larger products (16 activation rows or
-    more for Q8_0, 48 for Q4) on the AMX tiles, the same numbers faster). Returns the path taken
-    ("portable", "avx2", "avx512_vnni" or "amx"); tests run each."""
+    AMX-INT8, the VNNI path with its larger products, 16 activation rows or
+    more for Q8_0 and 48 for Q4, on the AMX tiles: the same numbers, faster).
+    Returns the path taken ("portable", "avx2", "avx512_vnni" or "amx");
+    tests run each."""
     return _ISA_NAMES[require_kernels().kvq_set_isa(_ISA_MODES[isa])]
 
 

@@ -924,9 +924,9 @@ KVQ_AMX_EPILOGUE(1)
 
 /* out = the 16 weight rows of a packed pair against activation rows m0 ..
  * m0 + 15 (qa at row m0; dat, sat: the tile's scales, [nb][16]): Q4
- * (HAS_OFFSET) or Q8_0. The accumulators
- * are this function's own: the tile intrinsics are asm that may touch any
- * memory, so accumulators behind a pointer would go to memory at every tile op. */
+ * (HAS_OFFSET) or Q8_0. The accumulators are this function's own: the tile
+ * intrinsics are asm that may touch any memory, so accumulators behind a
+ * pointer would go to memory at every tile op. */
 #define KVQ_AMX_PAIR_TILE(HAS_OFFSET)                                                                      \
     KVQ_AMX static void amx_pair_tile_##HAS_OFFSET(const uint8_t* tiles, const float* dw, const float* mw,   \
                                                     int64_t nb, const int8_t* qa, int64_t K, const float* dat, \

@@ -1170,6 +1170,156 @@ int kvq_matmul(int wtype, const uint8_t* w, int64_t N, int64_t K, const void* x,
     return 0;
 }
 
+/* ---- prompt rows on AMX-BF16 ------------------------------------------------
+ *
+ * A prompt's positions are many rows against the same weights: there the
+ * int8 path's per-block float epilogue (a multiply-add per 16 outputs, row
+ * and 32-wide block) binds, not the products. kvq_matmul_bf16 takes such rows
+ * on AMX-BF16 tiles over a bfloat16 copy of the weights packed at load
+ * (quantized.py: pack_bf16_tiles, from the dequantized Q4/Q8 values): the
+ * products accumulate in the tiles' float32 across the whole K, with no
+ * epilogue but the store. Each output row is its own row of A against the
+ * same B tiles in the same K order, so its numbers do not depend on how many
+ * rows come with it. Which rows take this path is the caller's rule
+ * (model/llama.py: a request's prompt positions); the rest take kvq_matmul.
+ *
+ * Packed weights: for each 16 output rows (N padded to 16 with zeros) and
+ * each 32-wide input block, one B tile of 16 input pairs x 16 outputs x 2:
+ * wp[((c * nb + b) * 16 + p) * 32 + 2 * n + j] = W[16 c + n][32 b + 2 p + j]. */
+
+#ifdef KVQ_X86
+#define KVQ_AMX_BF16 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,amx-tile,amx-bf16")))
+
+/* AMX-TILE and AMX-BF16 (CPUID 7.0 EDX bits 24, 22) and the tile data granted. */
+int kvq_has_amx_bf16(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        unsigned a, b, c, d;
+        int ok = kvq_has_avx512_vnni() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 22 & 1);
+        cached = ok && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    }
+    return cached;
+}
+
+typedef struct {
+    const uint16_t* wp;
+    int64_t N, K, nb, M, Mpad, ldx, ldy, ldadd;
+    int xtype, xop, ytype, addtype;
+    const void *x, *norm_w, *add;
+    float eps;
+    void* y;
+    uint16_t* xb;  /* the transformed rows in bfloat16 as A tiles, [Mpad / 16][nb][16][32], zero past M */
+} bf16_job;
+
+/* Rows of x transformed (xop) and rounded to bfloat16 as f32_to_bf16 does. */
+KVQ_AMX_BF16 static void bf16_rows_chunk(const void* ctx, int64_t chunk) {
+    const bf16_job* j = ctx;
+    const size_t esz = j->xtype == KVQ_BF16 ? 2 : 4;
+    float tmp[j->K];
+    for (int64_t m = chunk * KVQ_AMX_ROWS; m < (chunk + 1) * KVQ_AMX_ROWS; m++) {
+        uint16_t* out = j->xb + (m / 16) * 16 * j->K + (m % 16) * QK;  /* block b at + 512 b */
+        if (m >= j->M) { for (int64_t b = 0; b < j->nb; b++) memset(out + 512 * b, 0, QK * 2); continue; }
+        const void* row = (const char*)j->x + (size_t)m * j->ldx * esz;
+        if (j->xop != KVQ_X_PLAIN) transform_row(row, j->xtype, j->K, j->xop, j->norm_w, j->eps, tmp, 3);
+        else for (int64_t k = 0; k < j->K; k++) tmp[k] = load_x(row, j->xtype, k);
+        const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
+        for (int64_t k = 0; k < j->K; k += 16) {
+            __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(tmp + k));
+            __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(bits, 16), one)));
+            /* NaN: quieted as f32_to_bf16 quiets it, not rounded into infinity */
+            __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                    _mm512_set1_epi32(0x7f800000));
+            rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
+            _mm256_storeu_si256((__m256i*)(out + 512 * (k / QK) + k % QK),
+                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+        }
+    }
+}
+
+/* C tiles 0-3 (rows m0 / m0 + 16 x outputs n0 / n0 + 16), A tiles 4, 5, B tiles 6, 7. */
+KVQ_AMX_BF16 static void amx_bf16_configure(void) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
+KVQ_AMX_BF16 static void bf16_store(const bf16_job* j, int64_t m0, int64_t n0, const float (*sums)[16]) {
+    const int64_t count = j->N - n0 < 16 ? j->N - n0 : 16;
+    const size_t ysz = j->ytype == KVQ_BF16 ? 2 : 4, asz = j->addtype == KVQ_BF16 ? 2 : 4;
+    for (int r = 0; r < 16 && m0 + r < j->M; r++) {
+        const int64_t m = m0 + r;
+        if (count == 16 && j->ytype == KVQ_F32 && (j->add == NULL || j->addtype == KVQ_F32)) {
+            const __m512 add = j->add ? _mm512_loadu_ps((const float*)j->add + m * j->ldadd + n0) : _mm512_setzero_ps();
+            _mm512_storeu_ps((float*)j->y + m * j->ldy + n0, _mm512_add_ps(_mm512_loadu_ps(sums[r]), add));
+            continue;
+        }
+        void* yrow = (char*)j->y + (size_t)m * j->ldy * ysz;
+        const void* arow = j->add ? (const char*)j->add + (size_t)m * j->ldadd * asz : NULL;
+        for (int64_t i = 0; i < count; i++)
+            store_y(yrow, j->ytype, n0 + i, sums[r][i] + (arow ? load_x(arow, j->addtype, n0 + i) : 0.f));
+    }
+}
+
+/* One chunk: 32 outputs (two B column tiles; one where N ends) against every
+ * 32 rows, the whole K in the tiles' accumulators. */
+KVQ_AMX_BF16 static void bf16_chunk(const void* ctx, int64_t chunk) {
+    const bf16_job* j = ctx;
+    const int64_t c0 = 2 * chunk, num_c = (j->N + 15) / 16, two = c0 + 1 < num_c;
+    const uint16_t *b0 = j->wp + c0 * j->nb * 512, *b1 = b0 + j->nb * 512;
+    float sums[16][16] __attribute__((aligned(64)));
+    amx_bf16_configure();
+    for (int64_t m0 = 0; m0 < j->Mpad; m0 += 32) {
+        const int rows2 = m0 + 16 < j->Mpad;
+        const uint16_t *a0 = j->xb + m0 * j->K, *a1 = a0 + 16 * j->K;  /* 16 rows' A tiles, block after block */
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t b = 0; b < j->nb; b++) {
+            _tile_loadd(4, a0 + 512 * b, 64);
+            _tile_loadd(6, b0 + 512 * b, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            if (two) { _tile_loadd(7, b1 + 512 * b, 64); _tile_dpbf16ps(1, 4, 7); }
+            if (rows2) {
+                _tile_loadd(5, a1 + 512 * b, 64);
+                _tile_dpbf16ps(2, 5, 6);
+                if (two) _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, sums, 64); bf16_store(j, m0, 16 * c0, (const float (*)[16])sums);
+        if (two) { _tile_stored(1, sums, 64); bf16_store(j, m0, 16 * c0 + 16, (const float (*)[16])sums); }
+        if (rows2) {
+            _tile_stored(2, sums, 64); bf16_store(j, m0 + 16, 16 * c0, (const float (*)[16])sums);
+            if (two) { _tile_stored(3, sums, 64); bf16_store(j, m0 + 16, 16 * c0 + 16, (const float (*)[16])sums); }
+        }
+    }
+    _tile_release();
+}
+#endif
+
+/* y[m, n] = sum_k f(x)[m, k] * W[n, k] (+ add[m, n]) on AMX-BF16 for m < M:
+ * wp the packed bfloat16 weights above, the rest as kvq_matmul. Returns 0;
+ * -1 where the scratch cannot be had; -2 where the CPU (or Linux) gives no
+ * AMX-BF16 (nothing written either way). */
+int kvq_matmul_bf16(const uint16_t* wp, int64_t N, int64_t K, const void* x, int xtype, int64_t ldx, int xop,
+                    const void* norm_w, float eps, int64_t M, void* y, int ytype, int64_t ldy, const void* add,
+                    int addtype, int64_t ldadd, int num_threads) {
+#ifdef KVQ_X86
+    if (!kvq_has_amx_bf16() || g_force_scalar) return -2;
+    if (M == 0) return 0;
+    const int64_t Mpad = (M + 15) / 16 * 16;
+    uint16_t* xb = (uint16_t*)scratch_for(Mpad * K * 2);
+    if (xb == NULL) return -1;
+    bf16_job j = {wp, N, K, K / QK, M, Mpad, ldx, ldy, ldadd, xtype, xop, ytype, addtype, x, norm_w, add, eps, y, xb};
+    parallel_chunks(num_threads, Mpad / 16, bf16_rows_chunk, &j);
+    parallel_chunks(num_threads, ((N + 15) / 16 + 1) / 2, bf16_chunk, &j);
+    return 0;
+#else
+    (void)wp; (void)N; (void)K; (void)x; (void)xtype; (void)ldx; (void)xop; (void)norm_w; (void)eps; (void)M;
+    (void)y; (void)ytype; (void)ldy; (void)add; (void)addtype; (void)ldadd; (void)num_threads;
+    return -2;
+#endif
+}
+
 typedef struct { int wtype, ytype; const uint8_t* w; int64_t K; const int64_t* rows; void* y; } rows_job;
 
 static void dequantize_row(const void* ctx, int64_t i) {
@@ -1827,7 +1977,28 @@ typedef struct {
     int qkv_type, o_type, gate_up_type, down_type;
     const void *input_norm, *post_norm;  /* [hidden], the activations' dtype */
     void* kv_cache;                      /* [slots, 2, Hkv, D] */
+    /* The same four as kvq_matmul_bf16's packed bfloat16 tiles, for the rows
+     * from kvq_decode_layers' bf16_from on (NULL: every row quantized). */
+    const uint16_t *qkv_bf16, *o_bf16, *gate_up_bf16, *down_bf16;
 } kvq_layer;
+
+/* kvq_matmul over rows 0 .. split - 1 and kvq_matmul_bf16 over split .. M - 1,
+ * split = bf16_from where the bfloat16 tiles wp exist, else M. */
+static int split_matmul(int wtype, const uint8_t* w, const uint16_t* wp, int64_t bf16_from, int64_t N, int64_t K,
+                        const void* x, int xtype, int64_t ldx, int xop, const void* norm_w, float eps, int64_t M,
+                        void* y, int ytype, int64_t ldy, const void* add, int addtype, int64_t ldadd,
+                        int num_threads) {
+    const int64_t split = wp == NULL || bf16_from >= M ? M : bf16_from < 0 ? 0 : bf16_from;
+    if (split > 0) {
+        int status = kvq_matmul(wtype, w, N, K, x, xtype, ldx, xop, norm_w, eps, split, y, ytype, ldy, add, addtype,
+                                ldadd, num_threads);
+        if (status != 0 || split == M) return status;
+    }
+    const size_t xsz = xtype == KVQ_BF16 ? 2 : 4, ysz = ytype == KVQ_BF16 ? 2 : 4, asz = addtype == KVQ_BF16 ? 2 : 4;
+    return kvq_matmul_bf16(wp, N, K, (const char*)x + split * ldx * xsz, xtype, ldx, xop, norm_w, eps, M - split,
+                           (char*)y + split * ldy * ysz, ytype, ldy,
+                           add ? (const char*)add + split * ldadd * asz : NULL, addtype, ldadd, num_threads);
+}
 
 /* ---- LoRA adapters in the decode step -------------------------------------- */
 
@@ -2198,14 +2369,17 @@ int kvq_lora_apply(const kvq_lora_linear* lin, const int64_t* rows, const int64_
  * lora: the step's adapter rows (NULL: every row on the base model, and no
  * work beyond the base step's), each fused matmul's low-rank update added to
  * its output right after it, as model/lora.LoraStep does on the per-op path.
+ * bf16_from: rows from it on (a step's prompt positions, put last by the
+ * runner) take the layers' bfloat16 tiles where a layer has them (T: none).
  * Returns 0, or -1 (a kernel refused: allocation or a head shape past the
- * attention kernel's buffers; checked before the first layer where it can be). */
+ * attention kernel's buffers; checked before the first layer where it can be),
+ * or -2 (bfloat16 tiles given on a CPU without AMX-BF16). */
 int kvq_decode_layers(const kvq_layer* layers, int64_t num_layers, void* residual, int dtype, int64_t T,
                       int64_t hidden, int64_t inter, int64_t H, int64_t Hkv, int64_t D, float eps, float scale,
                       const int64_t* positions, const void* cos, const void* sin, const int64_t* slots,
                       const int64_t* block_table, int64_t max_blocks, const int64_t* context_lens,
                       int64_t block_size, void* qkv, void* attn, void* gate_up, int num_threads,
-                      const kvq_lora_step* lora) {
+                      const kvq_lora_step* lora, int64_t bf16_from) {
     if (H / Hkv > KVQ_MAX_GROUP || D > KVQ_MAX_D) return -1;
     const int64_t nqkv = (H + 2 * Hkv) * D;
     float *xs = NULL, *shrunk = NULL;  /* the adapter rows' inputs and f(x) A, reused by every linear */
@@ -2225,24 +2399,27 @@ int kvq_decode_layers(const kvq_layer* layers, int64_t num_layers, void* residua
     for (int64_t l = 0; l < num_layers && status == 0; l++) {
         const kvq_layer* ly = &layers[l];
         const kvq_lora_linear* ll = lora ? lora->linears + 4 * l : NULL;
-        if ((status = kvq_matmul(ly->qkv_type, ly->qkv, nqkv, hidden, residual, dtype, hidden, KVQ_X_RMS_NORM,
-                                 ly->input_norm, eps, T, qkv, dtype, nqkv, NULL, 0, 0, num_threads))) break;
+        if ((status = split_matmul(ly->qkv_type, ly->qkv, ly->qkv_bf16, bf16_from, nqkv, hidden, residual, dtype,
+                                   hidden, KVQ_X_RMS_NORM, ly->input_norm, eps, T, qkv, dtype, nqkv, NULL, 0, 0,
+                                   num_threads))) break;
         if (ll) lora_add(lora, &ll[0], residual, dtype, hidden, KVQ_X_RMS_NORM, ly->input_norm, eps, qkv, nqkv, xs,
                          shrunk, num_threads);
         kvq_rope_write_kv(qkv, dtype, T, nqkv, positions, cos, sin, slots, ly->kv_cache, H, Hkv, D, num_threads);
         if ((status = kvq_decode_attention(qkv, dtype, nqkv, ly->kv_cache, block_table, max_blocks, context_lens,
                                            block_size, T, H, Hkv, D, scale, attn, num_threads))) break;
-        if ((status = kvq_matmul(ly->o_type, ly->o, hidden, H * D, attn, dtype, H * D, KVQ_X_PLAIN, NULL, 0.f, T,
-                                 residual, dtype, hidden, residual, dtype, hidden, num_threads))) break;
+        if ((status = split_matmul(ly->o_type, ly->o, ly->o_bf16, bf16_from, hidden, H * D, attn, dtype, H * D,
+                                   KVQ_X_PLAIN, NULL, 0.f, T, residual, dtype, hidden, residual, dtype, hidden,
+                                   num_threads))) break;
         if (ll) lora_add(lora, &ll[1], attn, dtype, H * D, KVQ_X_PLAIN, NULL, 0.f, residual, hidden, xs, shrunk,
                          num_threads);
-        if ((status = kvq_matmul(ly->gate_up_type, ly->gate_up, 2 * inter, hidden, residual, dtype, hidden,
-                                 KVQ_X_RMS_NORM, ly->post_norm, eps, T, gate_up, dtype, 2 * inter, NULL, 0, 0,
-                                 num_threads))) break;
+        if ((status = split_matmul(ly->gate_up_type, ly->gate_up, ly->gate_up_bf16, bf16_from, 2 * inter, hidden,
+                                   residual, dtype, hidden, KVQ_X_RMS_NORM, ly->post_norm, eps, T, gate_up, dtype,
+                                   2 * inter, NULL, 0, 0, num_threads))) break;
         if (ll) lora_add(lora, &ll[2], residual, dtype, hidden, KVQ_X_RMS_NORM, ly->post_norm, eps, gate_up,
                          2 * inter, xs, shrunk, num_threads);
-        if ((status = kvq_matmul(ly->down_type, ly->down, hidden, inter, gate_up, dtype, 2 * inter, KVQ_X_SWIGLU,
-                                 NULL, 0.f, T, residual, dtype, hidden, residual, dtype, hidden, num_threads))) break;
+        if ((status = split_matmul(ly->down_type, ly->down, ly->down_bf16, bf16_from, hidden, inter, gate_up, dtype,
+                                   2 * inter, KVQ_X_SWIGLU, NULL, 0.f, T, residual, dtype, hidden, residual, dtype,
+                                   hidden, num_threads))) break;
         if (ll) lora_add(lora, &ll[3], gate_up, dtype, 2 * inter, KVQ_X_SWIGLU, NULL, 0.f, residual, hidden, xs,
                          shrunk, num_threads);
     }

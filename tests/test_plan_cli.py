@@ -50,7 +50,14 @@ def test_plan_reads_a_gguf_model_config(capsys):
     assert rc == 0
     # SmolLM2-135M: 30 layers x 3 KV heads x 64 dim x 2 x 2 bytes = 23,040 bytes per token.
     assert plan["kv_bytes_per_token"] == 23040
-    assert plan["weight_bytes"] < gguf_file.stat().st_size  # tensor bytes, without metadata
+    # tensor bytes, without metadata, plus the bfloat16 prompt tiles where this CPU has AMX-BF16
+    assert plan["weight_bytes"] - plan["prompt_tile_bytes"] < gguf_file.stat().st_size
+    rc, plain = run_json(capsys, "--model", str(gguf_file), "--memory", "1GiB", "--prefill-weights", "none")
+    assert plain["prompt_tile_bytes"] == 0 and plain["weight_bytes"] < gguf_file.stat().st_size
+    rc, tiled = run_json(capsys, "--model", str(gguf_file), "--memory", "1GiB", "--prefill-weights", "bf16")
+    # Every layer matrix once more at 2 bytes a weight: 30 x (960 + 576 + 3072 + 576 rows) x 576-1536 inputs.
+    assert tiled["prompt_tile_bytes"] == 2 * 30 * (960 * 576 + 576 * 576 + 3072 * 576 + 576 * 1536)
+    assert tiled["weight_bytes"] == plain["weight_bytes"] + tiled["prompt_tile_bytes"]
 
 
 def test_weights_that_do_not_fit_fail_clearly(capsys):

@@ -353,6 +353,169 @@ def test_q4_request_keeps_the_embedding_table_in_q8_0():
     assert prepared["model.layers.0.mlp.up_proj.weight"].qtype == "q4_0"
 
 
+# ---- prompt positions on the bfloat16 AMX tiles ---------------------------------------
+
+needs_prompt_tiles = pytest.mark.skipif(not quantized.prompt_tiles_available(),
+                                        reason="this CPU (or Linux) gives no AMX-BF16 for the prompt tiles")
+
+
+@needs_prompt_tiles
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_prompt_tiles_compute_the_bfloat16_product_whatever_the_row_count(qtype):
+    """Rows on the prompt tiles are bf16(f(x)) @ bf16(W).T summed in float32
+    (a few ulps of float32 from float64), the fused norm, SwiGLU and residual
+    included; and a row's bits do not depend on how many rows come with it."""
+    gen = torch.Generator().manual_seed(21)
+    for n, k in [(13, 32), (40, 64), (200, 96), (72, 576), (24, 1536)]:
+        plain, _ = _weight(qtype, n, k, seed=n)
+        weight = plain.with_prompt_tiles()
+        w16 = plain.dequantize().bfloat16().double()
+        m = 70
+        x, add = torch.randn(m, k, generator=gen), torch.randn(m, n, generator=gen)
+        norm_w = torch.rand(k, generator=gen) + 0.5
+        gate_up = torch.randn(m, 2 * k, generator=gen) * 4
+
+        def reference(inputs: torch.Tensor) -> torch.Tensor:
+            return inputs.float().bfloat16().double() @ w16.T
+
+        normed = torch.nn.functional.rms_norm(x, (k,), norm_w, 1e-5)
+        act = torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]
+        cases = [(weight.matmul(x, bf16_from=0), reference(x)),
+                 (weight.matmul(x, add, norm=(norm_w, 1e-5), bf16_from=0), reference(normed) + add.double()),
+                 (weight.matmul(gate_up, swiglu=True, bf16_from=0), reference(act))]
+        for got, expected in cases:
+            scale = float(expected.abs().max())
+            # float32 sums over K terms; the norm and SwiGLU rounded to bfloat16 may land a step apart
+            assert torch.allclose(got.double(), expected, rtol=2e-2, atol=2e-2 * scale), f"N={n} K={k}"
+        assert (weight.matmul(x, bf16_from=0).double() - reference(x)).abs().max() <= 1e-5 * float(
+            reference(x).abs().max()) + 1e-6
+        full = weight.matmul(x, add, norm=(norm_w, 1e-5), bf16_from=0)
+        for rows in (1, 15, 16, 17, 33):
+            part = weight.matmul(x[:rows], add[:rows], norm=(norm_w, 1e-5), bf16_from=0)
+            assert torch.equal(part, full[:rows]), f"N={n} K={k} rows={rows}"
+        assert torch.equal(weight.matmul(x[40:41], bf16_from=0), weight.matmul(x, bf16_from=0)[40:41])
+
+
+@needs_prompt_tiles
+def test_prompt_tiles_take_only_the_rows_from_bf16_from():
+    plain, _ = _weight("q4_1", 40, 64, seed=2)
+    weight = plain.with_prompt_tiles()
+    gen = torch.Generator().manual_seed(3)
+    x, add = torch.randn(30, 64, generator=gen), torch.randn(30, 40, generator=gen)
+    quantized_rows = plain.matmul(x, add)
+    tiled_rows = weight.matmul(x, add, bf16_from=0)
+    split = weight.matmul(x, add, bf16_from=12)
+    assert torch.equal(split[:12], quantized_rows[:12]) and torch.equal(split[12:], tiled_rows[12:])
+    assert torch.equal(weight.matmul(x, add), quantized_rows)  # no bf16_from: every row quantized
+    assert torch.equal(weight.matmul(x, add, bf16_from=30), quantized_rows)
+    # bfloat16 in and out, strided rows, an output slice of a wider buffer
+    wide = torch.randn(30, 100, generator=gen)
+    out = torch.zeros(30, 50, dtype=torch.bfloat16)
+    weight.matmul(wide[:, 10:74], out=out[:, 5:45], bf16_from=7)
+    expected = weight.matmul(wide[:, 10:74].contiguous(), out_dtype=torch.bfloat16, bf16_from=7)
+    assert torch.equal(out[:, 5:45], expected) and not out[:, :5].any() and not out[:, 45:].any()
+
+
+@needs_prompt_tiles
+@pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
+def test_prompt_tiles_keep_batch_invariance_preemption_and_the_one_call_step(qtype):
+    """With prompt tiles, a request's tokens are the same alone or in a crowd,
+    with or without being preempted (its generated tokens, computed again,
+    stay on the quantized kernels: the rule is the position, not the step),
+    and the one-call native step equals the layer-by-layer path."""
+    from kvserve.contract import SamplingParams
+    from tests.tiny_models import random_prompts, run_to_completion, tiny_engine, tiny_llama
+
+    hf = tiny_llama(seed=9)
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True)
+    prompts = random_prompts([20, 19, 18, 20], seed=15)
+    # A 24-token budget: prompts go in chunks beside other requests' decodes.
+    fields = dict(quantization=qtype, prefill_weights="bf16", enable_prefix_caching=False, max_num_batched_tokens=24)
+    engine = tiny_engine(hf, **fields)
+    assert engine.runner.model.prompt_rows_last
+    alone = [list(run_to_completion(engine, [p], params).values())[0].token_ids for p in prompts]
+    crowded = run_to_completion(engine, prompts, params)
+    assert [o.token_ids for o in crowded.values()] == alone
+    # 4 requests of 20 + 12 tokens need 8 blocks each; 16 blocks hold two.
+    small = tiny_engine(hf, num_blocks=16, **fields)
+    preempted = run_to_completion(small, prompts, params)
+    assert small.scheduler.stats().num_preemptions > 0
+    assert [o.token_ids for o in preempted.values()] == alone
+    per_op = tiny_engine(hf, **fields)
+    per_op.runner.model.native_decode = None
+    splits, forward = [], per_op.runner.model.forward
+    per_op.runner.model.forward = lambda ids, caches, meta, lora=None: (
+        splits.append((meta.bf16_rows_from, len(ids))) or forward(ids, caches, meta, lora))
+    assert [o.token_ids for o in run_to_completion(per_op, prompts, params).values()] == alone
+    assert any(0 < first < num_rows for first, num_rows in splits), splits  # steps of both kinds of row
+    # The tiles change prompt rows' numbers, not the model: greedy agrees with the quantized kernels.
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    plain = tiny_engine(hf, quantization=qtype, prefill_weights="none")
+    assert not plain.runner.model.prompt_rows_last
+    agree = [a.token_ids[:2] == b.token_ids[:2] for a, b in zip(run_to_completion(plain, prompts, greedy).values(),
+                                                                 run_to_completion(engine, prompts, greedy).values())]
+    assert sum(agree) >= 3, agree
+
+
+def test_prompt_rows_go_last_by_position_and_sampled_rows_follow():
+    """build_step_batch(prompt_rows_last=True): a row is a prompt row when its
+    position is inside its request's prompt, whatever the step (a preempted
+    request's generated tokens computed again are not); prompt rows go last,
+    each kind in chunk order, and every per-row index moves with its row."""
+    from kvserve.contract import Request, SamplingParams
+    from kvserve.runner.step_batch import build_step_batch
+    from kvserve.scheduler.scheduler import ScheduledChunk
+
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    decoding = Request("decode", [1, 2, 3], greedy, 0.0)
+    decoding.output_token_ids.extend([4, 5])
+    resumed = Request("resumed", [10, 11, 12, 13], greedy, 0.0)  # preempted after 3 outputs
+    resumed.output_token_ids.extend([14, 15, 16])
+    fresh = Request("fresh", [20, 21, 22, 23, 24], greedy, 0.0)
+    chunks = [ScheduledChunk(decoding, 4, 1, [0, 1], samples=True),
+              ScheduledChunk(resumed, 0, 7, [2, 3], samples=True),  # 4 prompt positions, then 3 generated
+              ScheduledChunk(fresh, 0, 3, [4, 5], samples=False)]  # the first chunk of its prompt
+    batch = build_step_batch(chunks, 4, torch.device("cpu"), sdpa_context=False, prompt_rows_last=True)
+    order = [(5, 4), (14, 4), (15, 5), (16, 6), (10, 0), (11, 1), (12, 2), (13, 3), (20, 0), (21, 1), (22, 2)]
+    assert list(zip(batch.token_ids.tolist(), batch.meta.positions.tolist())) == order
+    assert batch.meta.bf16_rows_from == 4
+    # Each row's context and blocks are its token's; sampled: decode's row and resumed's last (16).
+    assert batch.meta.query_context_lens.tolist() == [p + 1 for _, p in order]
+    assert batch.meta.query_block_table[:, 0].tolist() == [0, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4]
+    assert batch.token_ids[batch.sample_rows].tolist() == [5, 16]
+    plain = build_step_batch(chunks, 4, torch.device("cpu"), sdpa_context=False)
+    assert plain.meta.bf16_rows_from is None and plain.token_ids[plain.sample_rows].tolist() == [5, 16]
+    # The same rows, as a set, with the same slots: only their order moved.
+    rows = lambda b: sorted(zip(b.token_ids.tolist(), b.meta.positions.tolist(), b.meta.slot_mapping.tolist()))
+    assert rows(batch) == rows(plain)
+
+
+def test_prefill_weights_refuse_what_cannot_apply():
+    from kvserve.engine.core import EngineConfig
+    from tests.tiny_models import tiny_engine, tiny_llama
+
+    hf = tiny_llama(seed=1)
+    with pytest.raises(ValueError, match="not quantized"):
+        tiny_engine(hf, quantization="none", prefill_weights="bf16")
+    with pytest.raises(ValueError, match="prefill_weights must be one of"):
+        EngineConfig(prefill_weights="fp8")
+    assert not tiny_engine(hf, quantization="q8_0", prefill_weights="none").runner.model.prompt_rows_last
+    # auto: the tiles where they can run, and with LoRA adapters never (their rows keep chunk order)
+    auto = tiny_engine(hf, quantization="q8_0")
+    assert auto.runner.model.prompt_rows_last == quantized.prompt_tiles_available()
+    assert not tiny_engine(hf, quantization="q8_0", enable_lora=True).runner.model.prompt_rows_last
+    if not quantized.prompt_tiles_available():
+        with pytest.raises(ValueError, match="AMX-BF16"):
+            tiny_engine(hf, quantization="q8_0", prefill_weights="bf16")
+        return
+    # auto stops at PROMPT_TILES_AUTO_MAX_BYTES of tiles (a large model's copy); bf16 takes any size.
+    weights, cpu = {"w": _weight("q8_0", 8, 32, seed=1)[0]}, torch.device("cpu")
+    limit = quantized.PROMPT_TILES_AUTO_MAX_BYTES
+    assert quantized.wants_prompt_tiles("auto", weights, cpu, False, limit)
+    assert not quantized.wants_prompt_tiles("auto", weights, cpu, False, limit + 1)
+    assert quantized.wants_prompt_tiles("bf16", weights, cpu, False, limit + 1)
+
+
 # ---- the quantized engine end to end -----------------------------------------------
 
 def test_seeded_sampling_is_reproducible_across_batch_compositions():
@@ -424,7 +587,9 @@ def test_native_steps_build_no_sdpa_context_and_match_steps_that_do(monkeypatch)
         def forward_twice(token_ids, kv_caches, meta, lora=None, _steps=steps, _forward=forward):
             out = _forward(token_ids, kv_caches, meta, lora).clone()
             # the same step again, built with SDPA's context: it rewrites the same K/V
-            full = build_step_batch(_steps[-1]["chunks"], runner.block_size, runner.device).meta
+            # (its rows in the same order: prompt rows last where the model has prompt tiles)
+            full = build_step_batch(_steps[-1]["chunks"], runner.block_size, runner.device,
+                                    prompt_rows_last=_steps[-1]["meta"].bf16_rows_from is not None).meta
             _steps[-1]["same"] = torch.equal(out, _forward(token_ids, kv_caches, full, lora))
             return out
 

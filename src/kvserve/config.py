@@ -22,6 +22,14 @@ DEFAULT_KV_CACHE_MEMORY = "1GiB"
 # What the weights are computed in (`--quantization`, model/quantized.py):
 # auto = a GGUF's own quantized blocks, none = the float path, else one type.
 QUANTIZATION_CHOICES = ("auto", "none", "q8_0", "q4_0", "q4_1")
+# What a quantized model computes prompt positions on (`--prefill-weights`,
+# model/quantized.py): auto = bfloat16 prompt tiles where the CPU has
+# AMX-BF16, bf16 = those or refuse, none = the quantized kernels as decode.
+PREFILL_WEIGHTS_CHOICES = ("auto", "bf16", "none")
+# "auto" takes the prompt tiles only up to this many bytes: a small model's
+# copy is cheap (the default model's: 0.2 GiB), an 8B model's (~14 GiB) is
+# not what an operator expects by default (`--prefill-weights bf16` asks).
+PROMPT_TILES_AUTO_MAX_BYTES = 1 << 30
 
 
 def parse_size(value: str | int | float) -> int:

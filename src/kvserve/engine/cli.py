@@ -34,7 +34,8 @@ def engine_options(args: argparse.Namespace) -> dict:
             "block_size": args.block_size, "enable_prefix_caching": not args.no_prefix_caching,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "enforce_eager": args.enforce_eager,
-            "quantization": args.quantization, "speculative_config": args.speculative_config}
+            "quantization": args.quantization, "prefill_weights": args.prefill_weights,
+            "speculative_config": args.speculative_config}
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from kvserve.admission.step_limits import StepLimits
-from kvserve.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig, SchedulerConfig, SpeculativeConfig, parse_size
+from kvserve.config import (DEFAULT_KV_CACHE_MEMORY, PREFILL_WEIGHTS_CHOICES, CacheConfig, SchedulerConfig,
+                            SpeculativeConfig, parse_size)
 from kvserve.contract import InvalidParameter, Request, RequestFactory, RequestStatus, ResolvedVersions, SamplingParams
 from kvserve.engine.adapters import AdapterRegistry
 from kvserve.engine.outputs import RequestOutput
@@ -67,6 +68,10 @@ class EngineConfig:
     # auto: the file's quantized matrices stay quantized; none: the float path;
     # q8_0 / q4_0 / q4_1: every matrix in that type (model/quantized.py)
     quantization: str = "auto"
+    # Prompt positions of a quantized model: auto = bfloat16 tiles on AMX-BF16
+    # CPUs (+2 bytes per layer weight) up to 1 GiB of them, bf16 = those at any
+    # size or refuse, none = as decode (model/quantized.wants_prompt_tiles).
+    prefill_weights: str = "auto"
     # Speculative decoding (None: off); a JSON text or dict of vLLM's keys is parsed.
     speculative_config: SpeculativeConfig | None = None
     # LoRA adapters (model/lora.py): served only with enable_lora; at most
@@ -86,6 +91,9 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 tokens, got {self.max_model_len}")
         check_quantization(self.quantization)
+        if self.prefill_weights not in PREFILL_WEIGHTS_CHOICES:
+            raise ValueError(f"prefill_weights must be one of {', '.join(PREFILL_WEIGHTS_CHOICES)}; "
+                             f"got {self.prefill_weights!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and "
@@ -217,7 +225,8 @@ class EngineCore:
             block_size=config.block_size, dtype=config.dtype, device=config.device,
             max_model_len=self.max_model_len, seed=config.seed,
             max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
-            quantization=config.quantization, max_loras=config.max_loras if config.enable_lora else None,
+            quantization=config.quantization, prefill_weights=config.prefill_weights,
+            max_loras=config.max_loras if config.enable_lora else None,
             max_lora_rank=config.max_lora_rank,
             extra_kv_bytes_per_block=0 if draft is None else draft.kv_bytes_per_block,
             extra_weight_bytes=0 if draft is None else draft.weight_bytes)

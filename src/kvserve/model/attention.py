@@ -49,6 +49,10 @@ class AttentionMetadata:
                    (prefill chunks, verifications: 1 + k tokens), so the native
                    kernels run them too; None on decode-only steps (their rows
                    are block_table's)
+    bf16_rows_from: the first of the rows that are prompt positions, all of
+                   them put last (build_step_batch's prompt_rows_last), for a
+                   model whose quantized matmuls hold bfloat16 prompt tiles;
+                   None: rows in chunk order, every row computed alike
     """
 
     positions: Tensor
@@ -63,6 +67,7 @@ class AttentionMetadata:
     block_size: int = 0
     query_block_table: Tensor | None = None
     query_context_lens: Tensor | None = None
+    bf16_rows_from: int | None = None
 
     @property
     def is_decode_only(self) -> bool:

@@ -26,7 +26,8 @@ from torch import Tensor
 from kvserve.model.attention import AttentionMetadata, native_attention, native_attention_takes, paged_attention
 from kvserve.model_facts.config import ModelConfig
 from kvserve.model.device import resolve_device
-from kvserve.model.quantized import NativeLayer, QuantizedWeight, activation_type, kernel_threads, require_kernels
+from kvserve.model.quantized import (KernelUnavailable, NativeLayer, QuantizedWeight, activation_type, kernel_threads,
+                                     require_kernels)
 
 
 class LinearUpdates(Protocol):
@@ -104,8 +105,9 @@ class DenseWeight:
         return self.weight_t.numel() * self.weight_t.element_size()
 
     def matmul(self, x: Tensor, add: Tensor | None = None, *, norm: tuple[Tensor, float] | None = None,
-               swiglu: bool = False) -> Tensor:
-        """f(x) @ W.T (+ add), f as in QuantizedWeight.matmul, in torch ops."""
+               swiglu: bool = False, bf16_from: int | None = None) -> Tensor:
+        """f(x) @ W.T (+ add), f as in QuantizedWeight.matmul, in torch ops
+        (every row alike: a float weight has no prompt tiles)."""
         out = torch.mm(input_transform(x, norm, swiglu), self.weight_t)
         return out if add is None else out.add_(add)
 
@@ -122,8 +124,8 @@ class SplitWeight:
         return sum(p.nbytes for p in self.parts)
 
     def matmul(self, x: Tensor, add: Tensor | None = None, *, norm: tuple[Tensor, float] | None = None,
-               swiglu: bool = False) -> Tensor:
-        x = input_transform(x, norm, swiglu)
+               swiglu: bool = False, bf16_from: int | None = None) -> Tensor:
+        x = input_transform(x, norm, swiglu)  # its parts get no prompt tiles: every row alike
         out = torch.cat([p.matmul(x) for p in self.parts], dim=-1)
         return out if add is None else out.add_(add)
 
@@ -198,19 +200,20 @@ class DecoderLayer:
         both inside one call; the float path runs the same ops in torch).
         `lora`: this step's adapters (model/lora.py), added to each fused
         matmul's output; their input transform runs again in torch on their rows."""
-        qkv = self.qkv.matmul(residual, norm=(self.input_norm, self.eps))
+        prompt = meta.bf16_rows_from  # rows from here on: prompt positions (the prompt tiles')
+        qkv = self.qkv.matmul(residual, norm=(self.input_norm, self.eps), bf16_from=prompt)
         if lora is not None:
             lora.add(qkv, self.index, "qkv", residual, norm=(self.input_norm, self.eps))
         if self.qkv_bias is not None:
             qkv += self.qkv_bias
         attn = self.attention(qkv, kv_cache, cos, sin, meta)
-        residual = self.o_proj.matmul(attn, add=residual)
+        residual = self.o_proj.matmul(attn, add=residual, bf16_from=prompt)
         if lora is not None:
             lora.add(residual, self.index, "o", attn)
-        gate_up = self.gate_up.matmul(residual, norm=(self.post_attn_norm, self.eps))
+        gate_up = self.gate_up.matmul(residual, norm=(self.post_attn_norm, self.eps), bf16_from=prompt)
         if lora is not None:
             lora.add(gate_up, self.index, "gate_up", residual, norm=(self.post_attn_norm, self.eps))
-        out = self.down.matmul(gate_up, add=residual, swiglu=True)
+        out = self.down.matmul(gate_up, add=residual, swiglu=True, bf16_from=prompt)
         if lora is not None:
             lora.add(out, self.index, "down", gate_up, swiglu=True)
         return out
@@ -277,7 +280,10 @@ class NativeStep:
             cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), block_table.data_ptr(),
             block_table.shape[1], context_lens.data_ptr(), meta.block_size, qkv.data_ptr(),
             attn.data_ptr(), gate_up.data_ptr(), kernel_threads(num_tokens),
-            None if lora is None else ctypes.addressof(lora))
+            None if lora is None else ctypes.addressof(lora),
+            num_tokens if meta.bf16_rows_from is None else meta.bf16_rows_from)
+        if status == -2:
+            raise KernelUnavailable("this CPU has no AMX-BF16 for the bfloat16 prompt tiles")
         if status != 0:
             raise MemoryError(f"the native decode step could not allocate scratch for {num_tokens} tokens")
         return residual
@@ -304,7 +310,10 @@ class LlamaModel:
     tokens; `compute_logits` runs the final norm and head on the few rows sampled."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype,
-                 device: torch.device, max_positions: int) -> None:
+                 device: torch.device, max_positions: int, prompt_tiles: bool = False) -> None:
+        """prompt_tiles: give every quantized layer matmul a bfloat16 copy for
+        prompt positions (QuantizedWeight.prompt_tiles; AMX-BF16 only): the
+        runner then puts a step's prompt rows last (prompt_rows_last)."""
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -315,6 +324,14 @@ class LlamaModel:
         self.norm = weights["model.norm.weight"].to(device=device, dtype=dtype)
         self.layers = [DecoderLayer(config, weights, i, dtype, device)
                        for i in range(config.num_hidden_layers)]
+        self.prompt_rows_last = False
+        if prompt_tiles:
+            for layer in self.layers:
+                for name in ("qkv", "o_proj", "gate_up", "down"):
+                    linear = getattr(layer, name)
+                    if isinstance(linear, QuantizedWeight):
+                        setattr(layer, name, linear.with_prompt_tiles())
+                        self.prompt_rows_last = True
         self.cos, self.sin = rope_tables(config, max_positions, dtype, device)
         # A model computing on quantized weights runs the rest of its step in
         # native kernels too: the step is then weight streaming plus attention.
@@ -334,10 +351,10 @@ class LlamaModel:
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, Tensor],
                      dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                     max_positions: int | None = None) -> "LlamaModel":
+                     max_positions: int | None = None, prompt_tiles: bool = False) -> "LlamaModel":
         """Build from Hugging Face-named tensors (any float dtype; cast here)."""
         return cls(config, weights, dtype, resolve_device(device),
-                   max_positions or config.max_position_embeddings)
+                   max_positions or config.max_position_embeddings, prompt_tiles)
 
     def weight_bytes(self) -> int:
         """Bytes of every weight as it is resident (quantized ones at their block size)."""
@@ -350,6 +367,10 @@ class LlamaModel:
             for part in (weight.parts if isinstance(weight, SplitWeight) else [weight]):
                 key, size = _format_of(part)
                 formats[key] = formats.get(key, 0) + size
+                if isinstance(part, QuantizedWeight) and part.prompt_tiles is not None:
+                    tiles = part.prompt_tiles
+                    formats["bfloat16 prompt tiles"] = (formats.get("bfloat16 prompt tiles", 0)
+                                                        + tiles.numel() * tiles.element_size())
         return formats
 
     def _weights(self) -> list:

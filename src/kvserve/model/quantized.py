@@ -9,6 +9,12 @@ and computes `x @ W.T` with x in float32 or bfloat16: activations are
 quantized to int8 per block of 32 inside the call, weights are never
 expanded. Why this kernel and not torch's int8/int4 ops, torchao or a ggml
 binding: docs/quantization.md (the kernel comparison).
+
+Where the CPU has AMX-BF16, a weight may also hold `prompt_tiles`: a
+bfloat16 copy packed for the AMX tiles (`pack_prompt_tiles`), which
+`matmul(..., bf16_from=i)` uses for rows i and after: a step's prompt
+positions, many rows against one weight, where the int8 path's per-block
+epilogue binds and bfloat16 products run ~1.5x faster (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -17,14 +23,15 @@ import ctypes
 import functools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from kvserve.config import QUANTIZATION_CHOICES
+from kvserve.config import PREFILL_WEIGHTS_CHOICES, PROMPT_TILES_AUTO_MAX_BYTES, QUANTIZATION_CHOICES
+from kvserve.cpu_features import amx_bf16_available
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +73,11 @@ def _library() -> ctypes.CDLL | None:
     lib.kvq_decode_attention.restype = i32
     lib.kvq_dequantize_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32, i32]
     lib.kvq_dequantize_rows.restype = None
+    lib.kvq_matmul_bf16.argtypes = [ptr, i64, i64, ptr, i32, i64, i32, ptr, f32, i64, ptr, i32, i64, ptr, i32,
+                                    i64, i32]
+    lib.kvq_matmul_bf16.restype = i32
     lib.kvq_decode_layers.argtypes = [ptr, i64, ptr, i32, i64, i64, i64, i64, i64, i64, f32, f32,
-                                      ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i32, ptr]
+                                      ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i32, ptr, i64]
     lib.kvq_decode_layers.restype = i32
     lib.kvq_lora_apply.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i32, i64, i32, ptr, f32, ptr, i64, i32]
     lib.kvq_lora_apply.restype = i32
@@ -87,6 +97,24 @@ def require_kernels() -> ctypes.CDLL:
         raise KernelUnavailable(f"the quantized CPU kernels are not built ({LIBRARY_PATH} is missing); "
                                 "run `make install` (needs gcc), or use --quantization none")
     return lib
+
+
+def prompt_tiles_available() -> bool:
+    """Whether the bfloat16 prompt tiles can run here: the kernels are built
+    and the CPU (and Linux) give AMX-BF16, and no portable path is pinned."""
+    return amx_bf16_available()
+
+
+def pack_prompt_tiles(weight: Tensor) -> Tensor:
+    """A float [N, K] weight as kvq_matmul_bf16's B tiles, bfloat16: per 16
+    output rows (N padded with zeros) and 32-wide input block, 16 input pairs
+    x 16 outputs x 2 (csrc's layout comment)."""
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"in_features {k} is not a multiple of the {BLOCK}-wide blocks")
+    padded = torch.zeros((-(-n // 16) * 16, k), dtype=torch.bfloat16)
+    padded[:n] = weight.to(torch.bfloat16)
+    return padded.view(-1, 16, k // BLOCK, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
 def kernel_threads(num_rows: int | None = None) -> int:
@@ -174,6 +202,9 @@ class QuantizedWeight:
     packed: Tensor  # flat uint8, ceil(N / 8) * K / 32 * group block bytes
     out_features: int
     in_features: int
+    # The dequantized weight as bfloat16 AMX tiles (pack_prompt_tiles) for
+    # the rows matmul's bf16_from names; None: every row on `packed`.
+    prompt_tiles: Tensor | None = None
 
     @classmethod
     def from_gguf_rows(cls, qtype: str, rows: np.ndarray, in_features: int) -> "QuantizedWeight":
@@ -192,19 +223,26 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
+        """The quantized blocks' bytes (prompt_tiles, when held, are extra)."""
         return self.packed.numel()
+
+    def with_prompt_tiles(self) -> "QuantizedWeight":
+        """This weight plus its bfloat16 prompt tiles (2 bytes per weight)."""
+        return replace(self, prompt_tiles=pack_prompt_tiles(self.dequantize()))
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.out_features, self.in_features)
 
     def matmul(self, x: Tensor, add: Tensor | None = None, *, norm: "tuple[Tensor, float] | None" = None,
-               swiglu: bool = False, out: Tensor | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
+               swiglu: bool = False, out: Tensor | None = None, out_dtype: torch.dtype | None = None,
+               bf16_from: int | None = None) -> Tensor:
         """x: [M, K] float32/bfloat16 (rows may be strided) -> f(x) @ W.T [M, N] (+ add),
         with f applied to each row inside the kernel: rms_norm with norm = (weight [K],
         eps), or swiglu: x is [M, 2K] (gate, up) and f = silu(gate) * up.
         add: [M, N] added to the product (a fused residual); out: an [M, N]
-        destination (may be a column slice of a wider buffer)."""
+        destination (may be a column slice of a wider buffer). bf16_from: rows
+        from it on take the prompt tiles where this weight holds them."""
         lib = require_kernels()
         m, k = x.shape[0], self.in_features
         _check_operand(x, "x", (m, 2 * k if swiglu else k))
@@ -222,6 +260,21 @@ class QuantizedWeight:
             xop = _XOP_SWIGLU
         if m == 0:
             return out
+        split = m if self.prompt_tiles is None or bf16_from is None else min(max(bf16_from, 0), m)
+        if split < m:
+            self._matmul_prompt_rows(lib, x[split:], None if add is None else add[split:], xop, norm_weight, eps,
+                                     out[split:])
+            if split == 0:
+                return out
+            self._matmul_quantized(lib, x[:split], None if add is None else add[:split], xop, norm_weight, eps,
+                                   out[:split])
+            return out
+        self._matmul_quantized(lib, x, add, xop, norm_weight, eps, out)
+        return out
+
+    def _matmul_quantized(self, lib: ctypes.CDLL, x: Tensor, add: Tensor | None, xop: int,
+                          norm_weight: Tensor | None, eps: float, out: Tensor) -> None:
+        m, k = x.shape[0], self.in_features
         status = lib.kvq_matmul(QUANT_TYPES[self.qtype][0], self.packed.data_ptr(), self.out_features, k,
                                 x.data_ptr(), _ACT_TYPES[x.dtype], x.stride(0), xop,
                                 None if norm_weight is None else norm_weight.data_ptr(), eps, m,
@@ -231,7 +284,21 @@ class QuantizedWeight:
                                 kernel_threads(m))
         if status != 0:
             raise MemoryError(f"the quantized matmul could not allocate {m} x {k} quantized activations")
-        return out
+
+    def _matmul_prompt_rows(self, lib: ctypes.CDLL, x: Tensor, add: Tensor | None, xop: int,
+                            norm_weight: Tensor | None, eps: float, out: Tensor) -> None:
+        m, k = x.shape[0], self.in_features
+        status = lib.kvq_matmul_bf16(self.prompt_tiles.data_ptr(), self.out_features, k, x.data_ptr(),
+                                     _ACT_TYPES[x.dtype], x.stride(0), xop,
+                                     None if norm_weight is None else norm_weight.data_ptr(), eps, m,
+                                     out.data_ptr(), _ACT_TYPES[out.dtype], out.stride(0),
+                                     None if add is None else add.data_ptr(),
+                                     0 if add is None else _ACT_TYPES[add.dtype],
+                                     0 if add is None else add.stride(0), kernel_threads(m))
+        if status == -2:
+            raise KernelUnavailable("this CPU has no AMX-BF16 for the bfloat16 prompt tiles")
+        if status != 0:
+            raise MemoryError(f"the bfloat16 prompt matmul could not allocate {m} x {k} activations")
 
     def rows(self, indices: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         """Dequantized rows [len(indices), K] (an embedding lookup)."""
@@ -272,14 +339,16 @@ class NativeLayer(ctypes.Structure):
     _fields_ = [("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
                 ("down", ctypes.c_void_p), ("qkv_type", ctypes.c_int), ("o_type", ctypes.c_int),
                 ("gate_up_type", ctypes.c_int), ("down_type", ctypes.c_int), ("input_norm", ctypes.c_void_p),
-                ("post_norm", ctypes.c_void_p), ("kv_cache", ctypes.c_void_p)]
+                ("post_norm", ctypes.c_void_p), ("kv_cache", ctypes.c_void_p), ("qkv_bf16", ctypes.c_void_p),
+                ("o_bf16", ctypes.c_void_p), ("gate_up_bf16", ctypes.c_void_p), ("down_bf16", ctypes.c_void_p)]
 
     @classmethod
     def of(cls, qkv: QuantizedWeight, o: QuantizedWeight, gate_up: QuantizedWeight, down: QuantizedWeight,
            input_norm: Tensor, post_norm: Tensor, kv_cache: Tensor) -> "NativeLayer":
         weights = (qkv, o, gate_up, down)
         return cls(*(w.packed.data_ptr() for w in weights), *(QUANT_TYPES[w.qtype][0] for w in weights),
-                   input_norm.data_ptr(), post_norm.data_ptr(), kv_cache.data_ptr())
+                   input_norm.data_ptr(), post_norm.data_ptr(), kv_cache.data_ptr(),
+                   *(None if w.prompt_tiles is None else w.prompt_tiles.data_ptr() for w in weights))
 
 
 LORA_MAX_TARGETS = 3  # csrc's KVQ_LORA_MAX_TARGETS: q, k, v of the fused qkv
@@ -319,6 +388,29 @@ def _check_operand(t: Tensor, name: str, shape: tuple[int, int]) -> None:
     if tuple(t.shape) != shape or t.stride(1) != 1:
         raise ValueError(f"{name} must be a row-major {list(shape)} tensor, got {list(t.shape)} "
                          f"strides {t.stride()}")
+
+
+def wants_prompt_tiles(prefill_weights: str, weights: dict, device: torch.device, lora: bool,
+                       tile_bytes: int) -> bool:
+    """Whether a model over `weights` (prepare_weights' output) gets bfloat16
+    prompt tiles of `tile_bytes` (model_facts.memory.prompt_tile_bytes):
+    `prefill_weights` "auto" where they can run (quantized matrices on CPU,
+    AMX-BF16, no LoRA adapters: the adapters' rows are laid out in chunk
+    order) and take at most PROMPT_TILES_AUTO_MAX_BYTES, "bf16" where they
+    can run or a ValueError saying why not, "none" never."""
+    if prefill_weights not in PREFILL_WEIGHTS_CHOICES:
+        raise ValueError(f"prefill_weights must be one of {', '.join(PREFILL_WEIGHTS_CHOICES)}; "
+                         f"got {prefill_weights!r}")
+    if prefill_weights == "none":
+        return False
+    quantized = any(isinstance(w, QuantizedWeight) for w in weights.values())
+    problem = ("the weights are not quantized (--quantization none, or a float model)" if not quantized
+               else f"quantized weights compute on CPU, not {device}" if device.type != "cpu"
+               else "LoRA adapters are enabled (their rows keep chunk order)" if lora
+               else "this CPU (or Linux) gives no AMX-BF16" if not prompt_tiles_available() else None)
+    if problem is not None and prefill_weights == "bf16":
+        raise ValueError(f"--prefill-weights bf16 cannot apply: {problem}; use auto or none")
+    return problem is None and (prefill_weights == "bf16" or tile_bytes <= PROMPT_TILES_AUTO_MAX_BYTES)
 
 
 def check_quantization(quantization: str) -> str:

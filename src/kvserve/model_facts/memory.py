@@ -38,6 +38,17 @@ def weight_bytes(config: ModelConfig, bytes_per_param: float) -> int:
     return int(math.ceil(config.num_parameters() * bytes_per_param))
 
 
+def prompt_tile_bytes(config: ModelConfig) -> int:
+    """The bfloat16 prompt tiles of a quantized model's layer matrices
+    (model/quantized.pack_prompt_tiles: 2 bytes a weight, output rows padded
+    to 16), resident beside the quantized blocks where they are built."""
+    h, d = config.hidden_size, config.head_dim
+    outputs_by_input = ((config.num_attention_heads + 2 * config.num_key_value_heads) * d, h), \
+        (h, config.num_attention_heads * d), (2 * config.intermediate_size, h), (h, config.intermediate_size)
+    per_layer = sum(-(-n // 16) * 16 * k for n, k in outputs_by_input)
+    return 2 * per_layer * config.num_hidden_layers
+
+
 def kv_bytes_per_block(config: ModelConfig, block_size: int, kv_dtype_bytes: float) -> int:
     """K and V of one block of `block_size` token slots in every layer."""
     if block_size < 1:

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvserve import flags
-from kvserve.config import SpeculativeConfig, parse_size
-from kvserve.model_facts.memory import dtype_bytes, weight_bytes
+from kvserve.config import PREFILL_WEIGHTS_CHOICES, PROMPT_TILES_AUTO_MAX_BYTES, SpeculativeConfig, parse_size
+from kvserve.cpu_features import amx_bf16_available
+from kvserve.model_facts.memory import dtype_bytes, prompt_tile_bytes, weight_bytes
 from kvserve.plan import kv_math, queueing
 from kvserve.plan.hardware import HARDWARE, HardwareProfile, hardware_preset
 from kvserve.plan.presets import PRESETS, ModelSpec, read_model_spec, resolve_model
@@ -42,6 +43,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     flags.add_block_size_argument(parser)
+    parser.add_argument("--prefill-weights", default="auto", choices=PREFILL_WEIGHTS_CHOICES,
+                        help="as `kvserve serve`'s: whether a quantized GGUF's layers also hold a bfloat16 copy "
+                             "for prompt positions (2 bytes per layer weight, counted as weights); auto = as "
+                             "`kvserve serve` would on this machine (where its CPU has AMX-BF16)")
     parser.add_argument("--memory", default=None,
                         help="device memory per device, e.g. 80GiB or 80GB; default: the "
                         "--hardware preset's memory")
@@ -129,10 +134,23 @@ def weight_bytes_of(spec: ModelSpec, dtype: str | None) -> int:
     return weight_bytes(spec.config, dtype_bytes(dtype or "bfloat16"))
 
 
+def _prompt_tiles_bytes(args: argparse.Namespace, spec: ModelSpec) -> int:
+    """The bfloat16 prompt tiles a server would hold beside a quantized file
+    at its own bytes (`--prefill-weights`; `kvserve simulate` plans none)."""
+    choice = getattr(args, "prefill_weights", "none")
+    if args.dtype is not None or not spec.quantized or choice == "none":
+        return 0
+    tile_bytes = prompt_tile_bytes(spec.config)
+    if choice == "auto" and (not amx_bf16_available() or tile_bytes > PROMPT_TILES_AUTO_MAX_BYTES):
+        return 0
+    return tile_bytes
+
+
 def capacity(args: argparse.Namespace, spec: ModelSpec, memory_bytes: int) -> Capacity:
     reserve_fraction, reserve_bytes = _reserve(args, memory_bytes)
     draft = draft_footprint(args.speculative_config, args.dtype, args.kv_dtype)
-    weights = weight_bytes_of(spec, args.dtype) + (0 if draft is None else draft.weight_bytes)
+    weights = (weight_bytes_of(spec, args.dtype) + _prompt_tiles_bytes(args, spec)
+               + (0 if draft is None else draft.weight_bytes))
     budget = kv_math.memory_budget(memory_bytes, weights, reserve_fraction, reserve_bytes)
     per_token = spec.config.kv_bytes_per_token(dtype_bytes(args.kv_dtype)) + (
         0 if draft is None else draft.kv_bytes_per_token)
@@ -187,8 +205,8 @@ def build_plan(args: argparse.Namespace) -> dict:
                   "kv_heads": spec.config.num_key_value_heads, "head_dim": spec.config.head_dim,
                   "parameters": spec.config.num_parameters()},
         "memory_bytes": cap.budget.memory_bytes, "num_devices": args.num_devices,
-        "weight_bytes": cap.budget.weight_bytes, "reserve_bytes": cap.budget.reserve_bytes,
-        "kv_cache_bytes": cap.budget.kv_bytes, "fits": cap.budget.fits,
+        "weight_bytes": cap.budget.weight_bytes, "prompt_tile_bytes": _prompt_tiles_bytes(args, spec),
+        "reserve_bytes": cap.budget.reserve_bytes, "kv_cache_bytes": cap.budget.kv_bytes, "fits": cap.budget.fits,
         "kv_bytes_per_token": cap.kv_bytes_per_token, "block_size": cap.block_size,
         "kv_capacity_tokens": cap.kv_capacity_tokens, "draft_model": _draft_json(cap.draft),
         "max_concurrency": [_row_json(r) for r in table],
@@ -321,7 +339,9 @@ def format_plan(plan: dict) -> str:
     lines = [f"model {m['name']}: {m['parameters'] / 1e9:.3g}B params, {m['layers']} layers, "
              f"{m['kv_heads']} KV heads x {m['head_dim']} head dim",
              f"memory          {_gib(plan['memory_bytes'])} on {plan['num_devices']} device(s)",
-             f"weights         {_gib(plan['weight_bytes'])}{_draft_share(plan, 'weight_bytes', _gib)}",
+             f"weights         {_gib(plan['weight_bytes'])}{_draft_share(plan, 'weight_bytes', _gib)}"
+             + (f" (of which bfloat16 prompt tiles {_gib(plan['prompt_tile_bytes'])})"
+                if plan.get("prompt_tile_bytes") else ""),
              f"reserve         {_gib(plan['reserve_bytes'])} (activations, workspace, runtime)",
              f"KV cache        {_gib(plan['kv_cache_bytes'])}",
              f"KV per token    {plan['kv_bytes_per_token']:,} bytes"

@@ -25,6 +25,7 @@ class ModelSpec:
     name: str
     config: ModelConfig
     weight_file_bytes: int | None = None
+    quantized: bool = False  # a GGUF whose layer matrices are Q8_0 / Q4_0 / Q4_1 (computed so, as they are)
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -88,8 +89,9 @@ def read_model_spec(path: Path) -> ModelSpec:
     source = resolve_source(path)
     if source.suffix == ".gguf":
         facts = open_gguf(source)
+        quantized = any(t.ggml_type.name in ("Q8_0", "Q4_0", "Q4_1") for t in facts.tensors.values())
         return ModelSpec(name=source.stem, config=guard_malformed(facts.config, source),
-                         weight_file_bytes=facts.weight_bytes())
+                         weight_file_bytes=facts.weight_bytes(), quantized=quantized)
     folder = source if source.is_dir() else source.parent
     weight_files = list(folder.glob("*.safetensors")) + list(folder.glob("*.bin"))
     weight_bytes = sum(f.stat().st_size for f in weight_files) or None

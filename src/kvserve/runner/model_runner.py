@@ -21,7 +21,7 @@ from kvserve.model_facts.config import ModelConfig
 from kvserve.model.device import resolve_device, resolve_dtype
 from kvserve.model.llama import LlamaModel
 from kvserve.model.lora import LoraAdapter, LoraSlots, LoraStep
-from kvserve.model.quantized import prepare_weights
+from kvserve.model.quantized import prepare_weights, wants_prompt_tiles
 from kvserve.model.sampler import Sampler, SamplerOutput, SamplingState
 from kvserve.runner.decode_graphs import DecodeGraphs
 from kvserve.runner.rejection_sampler import RejectionSampler
@@ -63,10 +63,13 @@ class ModelRunner:
                  block_size: int = 16, dtype: str | torch.dtype = "float32",
                  device: torch.device | str | None = None, max_model_len: int | None = None,
                  seed: int = 0, max_num_seqs: int = 64, enforce_eager: bool = False,
-                 quantization: str = "auto", max_loras: int | None = None, max_lora_rank: int = 16,
+                 quantization: str = "auto", prefill_weights: str = "none", max_loras: int | None = None,
+                 max_lora_rank: int = 16,
                  extra_kv_bytes_per_block: int = 0, extra_weight_bytes: int = 0) -> None:
         """weights: HF-named float tensors or QuantizedWeights (model/loader.py);
-        quantization: what they are computed in (model/quantized.prepare_weights).
+        quantization: what they are computed in (model/quantized.prepare_weights);
+        prefill_weights: whether prompt positions take bfloat16 tiles
+        (model/quantized.wants_prompt_tiles; "none" for a draft model).
         kv_cache_memory_bytes None: auto_kv_cache_bytes of the resident weights,
         these and `extra_weight_bytes` (a draft model's, resident beside them).
         extra_kv_bytes_per_block: a draft model's KV bytes per block, which the
@@ -77,8 +80,11 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype)
         self.block_size = block_size
         self.max_model_len = max_model_len or config.max_position_embeddings
-        self.model = LlamaModel.from_weights(config, prepare_weights(weights, quantization, self.device),
-                                             self.dtype, self.device, self.max_model_len)
+        prepared = prepare_weights(weights, quantization, self.device)
+        self.model = LlamaModel.from_weights(
+            config, prepared, self.dtype, self.device, self.max_model_len,
+            prompt_tiles=wants_prompt_tiles(prefill_weights, prepared, self.device, max_loras is not None,
+                                            memory.prompt_tile_bytes(config)))
         self.weight_bytes = self.model.weight_bytes()
         if kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = auto_kv_cache_bytes(self.weight_bytes + extra_weight_bytes)
@@ -228,7 +234,8 @@ class ModelRunner:
             return self.sampler.sample(self.decode_graphs.run(chunks), [c.request for c in chunks],
                                        sampling_states)
         batch = build_step_batch(chunks, self.block_size, self.device,
-                                 sdpa_context=not self.model.attends_natively)
+                                 sdpa_context=not self.model.attends_natively,
+                                 prompt_rows_last=self.model.prompt_rows_last and self.model.attends_natively)
         hidden = self.model.forward(batch.token_ids, self.kv_caches, batch.meta, lora)
         if not batch.sample_requests:
             return SamplerOutput({}, {})

@@ -38,12 +38,21 @@ class StepBatch:
 
 
 def build_step_batch(chunks: Sequence["ScheduledChunk"], block_size: int,
-                     device: torch.device, *, sdpa_context: bool = True) -> StepBatch:
+                     device: torch.device, *, sdpa_context: bool = True,
+                     prompt_rows_last: bool = False) -> StepBatch:
     """Index tensors for one step: flat positions and slots, padded query grid,
     block tables, and for SDPA (sdpa_context) the context slots per sequence
     and the causal mask. A model whose attention runs in the native kernels
     (LlamaModel.attends_natively) reads neither: the runner passes False and
-    the step skips building them (B x Lmax slots and a B x Qmax x Lmax mask)."""
+    the step skips building them (B x Lmax slots and a B x Qmax x Lmax mask).
+
+    prompt_rows_last (LlamaModel.prompt_rows_last, native attention only):
+    the rows of prompt positions (position < the request's prompt length:
+    what a prefill or a prefix miss computes, not generated tokens, even
+    when a preempted request computes them again) go after all others, each
+    kind in chunk order, and meta.bf16_rows_from says where they start. Row
+    order is free there: every token is a row of its own for the native
+    kernels, and sample_rows follow the rows."""
     num_seqs = len(chunks)
     num_new = np.fromiter((c.num_new_tokens for c in chunks), dtype=np.int64, count=num_seqs)
     starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=num_seqs)
@@ -71,16 +80,31 @@ def build_step_batch(chunks: Sequence["ScheduledChunk"], block_size: int,
         attn_mask = _causal_mask(positions, query_index, num_seqs, max_query_len, max_context_len,
                                  context_lens)
 
+    num_tokens = int(cu_tokens[-1])
+    order, bf16_rows_from = None, None
+    if prompt_rows_last:
+        prompt_lens = np.fromiter((c.request.num_prompt_tokens for c in chunks), dtype=np.int64, count=num_seqs)
+        is_prompt = positions < prompt_lens[seq_of_token]
+        bf16_rows_from = num_tokens - int(is_prompt.sum())
+        if 0 < bf16_rows_from < num_tokens:
+            order = np.argsort(is_prompt, kind="stable")
+            positions, slot_mapping = positions[order], slot_mapping[order]
+            query_index, seq_of_token = query_index[order], seq_of_token[order]
+
     sampling = [i for i, c in enumerate(chunks) if c.samples]
     def to(array: np.ndarray) -> Tensor:
         return torch.from_numpy(array).to(device)
 
     token_ids = list(chain.from_iterable(_chunk_tokens(c) for c in chunks))
+    if order is not None:
+        token_ids = np.asarray(token_ids, dtype=np.int64)[order]
     drafting = [i for i in sampling if chunks[i].spec_token_ids]
     sample_rows = cu_tokens[1:][sampling] - 1
     if drafting:  # a verifying chunk samples all its rows
         sample_rows = np.concatenate([np.arange(cu_tokens[i], cu_tokens[i + 1]) if chunks[i].spec_token_ids
                                       else cu_tokens[i + 1:i + 2] - 1 for i in sampling])
+    if order is not None:  # a sampled row where its token went
+        sample_rows = np.argsort(order)[sample_rows]
     # A step with several tokens per sequence (prefill chunks, verifications):
     # each token a row of its own for the native CPU kernels (its sequence's
     # blocks, context up to its own position: the causal mask).
@@ -92,9 +116,9 @@ def build_step_batch(chunks: Sequence["ScheduledChunk"], block_size: int,
         num_seqs=num_seqs, max_query_len=max_query_len, context_lens=to(context_lens),
         block_table=to(block_table), block_size=block_size,
         query_block_table=to(block_table[seq_of_token]) if query_rows else None,
-        query_context_lens=to(positions + 1) if query_rows else None)
+        query_context_lens=to(positions + 1) if query_rows else None, bf16_rows_from=bf16_rows_from)
     return StepBatch(
-        token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device), meta=meta,
+        token_ids=torch.as_tensor(token_ids, dtype=torch.int64, device=device), meta=meta,
         sample_rows=to(sample_rows), sample_requests=[chunks[i].request for i in sampling],
         num_draft_chunks=len(drafting))
 

@@ -1294,6 +1294,8 @@ KVQ_AMX_BF16 static void bf16_chunk(const void* ctx, int64_t chunk) {
     }
     _tile_release();
 }
+#else
+int kvq_has_amx_bf16(void) { return 0; }
 #endif
 
 /* y[m, n] = sum_k f(x)[m, k] * W[n, k] (+ add[m, n]) on AMX-BF16 for m < M:

@@ -8,6 +8,10 @@ greedy, ignore_eos) prefilled, then --steps decode steps timed one by one
 
     .venv/bin/python benchmarks/decode_ab.py --old /tmp/old_tree [--new .] [--batches 1 8]
         [--rounds 5] [--threads 2] [--steps 64] [--prompt-tokens 256]
+    .venv/bin/python benchmarks/decode_ab.py --old . --new-engine '{"kv_cache_dtype": "bfloat16"}'
+
+--old-engine / --new-engine: EngineConfig fields (JSON) for that side's
+EngineCore, so one tree A/Bs a setting against itself.
 
 A tree is a checkout with src/kvserve and its built _kvq.so; both run on this
 tree's .venv. Prints the median and min step per tree and batch, and the
@@ -29,11 +33,11 @@ from tree_ab import default_model_core, start_worker, timed_decode_steps
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def worker(threads: int, prompt_tokens: int) -> int:
+def worker(threads: int, prompt_tokens: int, engine_fields: dict) -> int:
     """Reads "batch steps" lines on stdin, answers each with the step times (s)."""
     from kvserve.contract import SamplingParams
 
-    core = default_model_core(threads)
+    core = default_model_core(threads, **engine_fields)
     print("ready", flush=True)
     for serial, line in enumerate(sys.stdin):
         batch, num_steps = map(int, line.split())
@@ -57,15 +61,19 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=64, help="decode steps per measurement")
     parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--old-engine", default="{}", help="EngineConfig fields of the old side (JSON)")
+    parser.add_argument("--new-engine", default="{}", help="EngineConfig fields of the new side (JSON)")
+    parser.add_argument("--engine", default="{}", help=argparse.SUPPRESS)  # a worker's own
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_ab.json"))
     args = parser.parse_args()
     if args.worker:
-        return worker(args.threads, args.prompt_tokens)
+        return worker(args.threads, args.prompt_tokens, json.loads(args.engine))
     if not args.old:
         parser.error("--old is required")
     trees = {"old": Path(args.old).resolve(), "new": Path(args.new).resolve()}
+    engines = {"old": args.old_engine, "new": args.new_engine}
     workers = {name: start_worker(__file__, tree, "--threads", str(args.threads), "--prompt-tokens",
-                                  str(args.prompt_tokens)) for name, tree in trees.items()}
+                                  str(args.prompt_tokens), "--engine", engines[name]) for name, tree in trees.items()}
     steps: dict[tuple[str, int], list[float]] = {(name, b): [] for name in trees for b in args.batches}
     load_before = os.getloadavg()
     try:
@@ -97,6 +105,8 @@ def main() -> int:
     print(f"\n{args.threads} threads; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "threads": args.threads,
                                           "old": str(trees["old"]), "new": str(trees["new"]),
+                                          "old_engine": json.loads(args.old_engine),
+                                          "new_engine": json.loads(args.new_engine),
                                           "prompt_tokens": args.prompt_tokens, "steps": args.steps,
                                           "load_average_before": load_before, "load_average_after": load_after,
                                           "results": rows}, indent=1))

@@ -22,9 +22,10 @@ def start_worker(script: str, tree: Path, *args: str) -> subprocess.Popen:
     return proc
 
 
-def default_model_core(threads: int):
+def default_model_core(threads: int, **engine_fields):
     """The default model's EngineCore (the shipped Q4_1 computed quantized,
-    1 GiB of KV cache) on `threads` torch threads."""
+    1 GiB of KV cache, and any other EngineConfig fields given) on `threads`
+    torch threads."""
     import torch
 
     from kvserve.engine.core import EngineConfig, EngineCore
@@ -33,7 +34,8 @@ def default_model_core(threads: int):
     torch.set_num_threads(threads)
     loaded = load_model(None, quantization="auto")
     return EngineCore(loaded.config, loaded.weights, loaded.tokenizer,
-                      EngineConfig(quantization="auto", device="cpu", kv_cache_memory_bytes=2**30))
+                      EngineConfig(**{"quantization": "auto", "device": "cpu", "kv_cache_memory_bytes": 2**30,
+                                      **engine_fields}))
 
 
 def timed_decode_steps(core, requests) -> list[float]:

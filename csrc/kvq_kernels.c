@@ -1363,10 +1363,11 @@ void kvq_dequantize_rows(int wtype, const uint8_t* w, int64_t K, const int64_t* 
 /* RoPE (rotate-half layout) on q and k of every token, in place in qkv, then
  * k and v written to the layer's paged cache at their slots.
  * qkv: [T, (H + 2 Hkv) * D] (row stride ldq); cos/sin: [max_pos, D] of qkv's dtype;
- * cache: [slots, 2, Hkv, D] of qkv's dtype. */
+ * cache: [slots, 2, Hkv, D] of cache_dtype (float32 or bfloat16; from float32
+ * K/V rounded to nearest even, as torch's cast). */
 typedef struct {
     void* qkv; int dtype; int64_t ldq; const int64_t *positions, *slots; const void *cos, *sin; void* cache;
-    int64_t H, Hkv, D;
+    int cache_dtype; int64_t H, Hkv, D;
 } rope_job;
 
 static void rope_token(const void* ctx, int64_t t) {
@@ -1388,16 +1389,20 @@ static void rope_token(const void* ctx, int64_t t) {
             store_y(qkv, dtype, base + i, x[i] * c + rot * s);
         }
     }
-    const size_t esz = dtype == KVQ_BF16 ? 2 : 4;
-    char* dst = (char*)cache + (size_t)slots[t] * 2 * Hkv * D * esz;
+    const size_t esz = dtype == KVQ_BF16 ? 2 : 4, csz = j->cache_dtype == KVQ_BF16 ? 2 : 4;
+    char* dst = (char*)cache + (size_t)slots[t] * 2 * Hkv * D * csz;
     const char* src = (const char*)qkv + (size_t)(t * ldq + H * D) * esz;
-    memcpy(dst, src, (size_t)2 * Hkv * D * esz);  /* k then v, as the cache's [2, Hkv, D] */
+    if (j->cache_dtype == dtype) {
+        memcpy(dst, src, (size_t)2 * Hkv * D * esz);  /* k then v, as the cache's [2, Hkv, D] */
+        return;
+    }
+    for (int64_t i = 0; i < 2 * Hkv * D; i++) store_y(dst, j->cache_dtype, i, load_x(src, dtype, i));
 }
 
 void kvq_rope_write_kv(void* qkv, int dtype, int64_t T, int64_t ldq, const int64_t* positions,
-                       const void* cos, const void* sin, const int64_t* slots, void* cache,
+                       const void* cos, const void* sin, const int64_t* slots, void* cache, int cache_dtype,
                        int64_t H, int64_t Hkv, int64_t D, int num_threads) {
-    rope_job j = {qkv, dtype, ldq, positions, slots, cos, sin, cache, H, Hkv, D};
+    rope_job j = {qkv, dtype, ldq, positions, slots, cos, sin, cache, cache_dtype, H, Hkv, D};
     parallel_chunks(T < 32 ? 1 : num_threads, T, rope_token, &j);  /* a decode step's few tokens: no helpers */
 }
 
@@ -1849,7 +1854,8 @@ static void attend_row_heads(attend_tile_fn attend_tile, const float* qs, int64_
 typedef struct { int32_t r0, r1, kv0, kv1; } attention_item;
 
 typedef struct {
-    const void* q; int dtype; int64_t ldq; const void* cache; const int64_t *block_table, *context_lens;
+    const void* q; int dtype; int64_t ldq; const void* cache; int cache_dtype;
+    const int64_t *block_table, *context_lens;
     int64_t max_blocks, block_size, H, Hkv, D; float scale; void* out; int isa;  /* matmul_isa()'s */
     int64_t B;
     const attention_item* items;
@@ -1883,16 +1889,16 @@ static void attend_chunk(const void* ctx, int64_t index) {
         softmax_state st[KVQ_ATTEND_ROWS];
         const attend_tile_fn tile = j->isa == 3 && D % 64 == 0 ? attend_tile_avx512 : attend_tile_avx2;
         if (heads > 1)  /* one row, several heads */
-            attend_row_heads(tile, qs, group, D, (const char*)j->cache, j->dtype, j->Hkv, kv0, kv1,
+            attend_row_heads(tile, qs, group, D, (const char*)j->cache, j->cache_dtype, j->Hkv, kv0, kv1,
                              j->block_table + r0 * j->max_blocks, j->block_size, j->context_lens[r0], st, acc);
         else
-            attend_rows(tile, qs, group, D, (const char*)j->cache, j->dtype, j->Hkv, kv0, j->block_table,
+            attend_rows(tile, qs, group, D, (const char*)j->cache, j->cache_dtype, j->Hkv, kv0, j->block_table,
                         j->max_blocks, j->block_size, j->context_lens, r0, r1, st, acc);
     } else
 #endif
     for (int64_t r = r0; r < r1; r++)
         for (int64_t k = 0; k < heads; k++)
-            attend_one(qs + ((r - r0) * heads + k) * width, group, D, (const char*)j->cache, j->dtype, j->Hkv,
+            attend_one(qs + ((r - r0) * heads + k) * width, group, D, (const char*)j->cache, j->cache_dtype, j->Hkv,
                        kv0 + k, j->block_table + r * j->max_blocks, j->block_size, j->context_lens[r],
                        acc + ((r - r0) * heads + k) * width);
     for (int64_t r = r0; r < r1; r++) {
@@ -1955,15 +1961,16 @@ static int64_t attention_items(const int64_t* block_table, int64_t max_blocks, i
 }
 
 /* 0 when the shapes fit the kernel's fixed buffers, else -1 (nothing written). */
-int kvq_decode_attention(const void* q, int dtype, int64_t ldq, const void* cache, const int64_t* block_table,
-                         int64_t max_blocks, const int64_t* context_lens, int64_t block_size, int64_t B,
-                         int64_t H, int64_t Hkv, int64_t D, float scale, void* out, int num_threads) {
+int kvq_decode_attention(const void* q, int dtype, int64_t ldq, const void* cache, int cache_dtype,
+                         const int64_t* block_table, int64_t max_blocks, const int64_t* context_lens,
+                         int64_t block_size, int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale, void* out,
+                         int num_threads) {
     if (H / Hkv > KVQ_MAX_GROUP || D > KVQ_MAX_D) return -1;
     attention_item* items = NULL;
     const int64_t num_items = attention_items(block_table, max_blocks, B, H, Hkv, D, num_threads, &items);
     if (num_items < 0) return -1;
-    attention_job j = {q, dtype, ldq, cache, block_table, context_lens, max_blocks, block_size, H, Hkv, D, scale, out,
-                       matmul_isa(), B, items};
+    attention_job j = {q, dtype, ldq, cache, cache_dtype, block_table, context_lens, max_blocks, block_size, H, Hkv,
+                       D, scale, out, matmul_isa(), B, items};
     /* Below ~1,000 positions in all, one (sequence, head) takes microseconds: no helpers. */
     int64_t positions = 0;
     for (int64_t b = 0; b < B; b++) positions += context_lens[b];
@@ -2373,6 +2380,8 @@ int kvq_lora_apply(const kvq_lora_linear* lin, const int64_t* rows, const int64_
  * its output right after it, as model/lora.LoraStep does on the per-op path.
  * bf16_from: rows from it on (a step's prompt positions, put last by the
  * runner) take the layers' bfloat16 tiles where a layer has them (T: none).
+ * cache_dtype: the KV caches' element type (KVQ_F32 or KVQ_BF16), which
+ * may differ from the activations' dtype.
  * Returns 0, or -1 (a kernel refused: allocation or a head shape past the
  * attention kernel's buffers; checked before the first layer where it can be),
  * or -2 (bfloat16 tiles given on a CPU without AMX-BF16). */
@@ -2381,7 +2390,7 @@ int kvq_decode_layers(const kvq_layer* layers, int64_t num_layers, void* residua
                       const int64_t* positions, const void* cos, const void* sin, const int64_t* slots,
                       const int64_t* block_table, int64_t max_blocks, const int64_t* context_lens,
                       int64_t block_size, void* qkv, void* attn, void* gate_up, int num_threads,
-                      const kvq_lora_step* lora, int64_t bf16_from) {
+                      const kvq_lora_step* lora, int64_t bf16_from, int cache_dtype) {
     if (H / Hkv > KVQ_MAX_GROUP || D > KVQ_MAX_D) return -1;
     const int64_t nqkv = (H + 2 * Hkv) * D;
     float *xs = NULL, *shrunk = NULL;  /* the adapter rows' inputs and f(x) A, reused by every linear */
@@ -2406,9 +2415,10 @@ int kvq_decode_layers(const kvq_layer* layers, int64_t num_layers, void* residua
                                    num_threads))) break;
         if (ll) lora_add(lora, &ll[0], residual, dtype, hidden, KVQ_X_RMS_NORM, ly->input_norm, eps, qkv, nqkv, xs,
                          shrunk, num_threads);
-        kvq_rope_write_kv(qkv, dtype, T, nqkv, positions, cos, sin, slots, ly->kv_cache, H, Hkv, D, num_threads);
-        if ((status = kvq_decode_attention(qkv, dtype, nqkv, ly->kv_cache, block_table, max_blocks, context_lens,
-                                           block_size, T, H, Hkv, D, scale, attn, num_threads))) break;
+        kvq_rope_write_kv(qkv, dtype, T, nqkv, positions, cos, sin, slots, ly->kv_cache, cache_dtype, H, Hkv, D,
+                          num_threads);
+        if ((status = kvq_decode_attention(qkv, dtype, nqkv, ly->kv_cache, cache_dtype, block_table, max_blocks,
+                                           context_lens, block_size, T, H, Hkv, D, scale, attn, num_threads))) break;
         if ((status = split_matmul(ly->o_type, ly->o, ly->o_bf16, bf16_from, hidden, H * D, attn, dtype, H * D,
                                    KVQ_X_PLAIN, NULL, 0.f, T, residual, dtype, hidden, residual, dtype, hidden,
                                    num_threads))) break;

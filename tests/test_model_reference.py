@@ -170,7 +170,8 @@ def test_smollm2_chunked_prefix_cached_and_preempted_match_hf(smol):
     loaded = load_model(None)
     engine = EngineCore(loaded.config, loaded.weights, loaded.tokenizer,
                         EngineConfig(kv_cache_memory_bytes=12 * 16 * loaded.config.kv_bytes_per_token(4),
-                                     max_num_batched_tokens=32, device="cpu"), versions=loaded.versions)
+                                     max_num_batched_tokens=32, device="cpu", kv_cache_dtype="float32"),
+                        versions=loaded.versions)
     ids = [loaded.tokenizer.encode(p) for p in prompts]
     params = SamplingParams(max_tokens=16, temperature=0.0)
     first = run_to_completion(engine, ids[:1], params)

@@ -187,17 +187,21 @@ def test_bad_operands_are_refused():
 HEAD_DIMS = [32, 64]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# (activations, KV cache): alike, and float32 activations over a bfloat16 cache (--kv-cache-dtype)
+DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", DTYPE_PAIRS)
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("h, hkv", [(6, 2), (10, 2)])  # 3 and 5 query heads per KV head
-def test_decode_attention_reads_paged_cache_like_sdpa(isa, dtype, d, h, hkv):
+def test_decode_attention_reads_paged_cache_like_sdpa(isa, dtype, cache_dtype, d, h, hkv):
     from kvserve.model.attention import AttentionMetadata, native_attention
 
     block_size = 4
     lens = [1, 9, 75]  # the last spans three of the kernel's 32-position tiles
     order = torch.randperm(30, generator=torch.Generator().manual_seed(0)).tolist()  # scattered blocks
     blocks = [order[:1], order[1:4], order[4:23]]
-    cache = torch.randn(30 * block_size + 1, 2, hkv, d).to(dtype)
+    cache = torch.randn(30 * block_size + 1, 2, hkv, d).to(cache_dtype)
     table = torch.zeros(3, 19, dtype=torch.int64)
     for row, b in enumerate(blocks):
         table[row, :len(b)] = torch.tensor(b)
@@ -217,13 +221,13 @@ def test_decode_attention_reads_paged_cache_like_sdpa(isa, dtype, d, h, hkv):
         expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.2)
         tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
         torch.testing.assert_close(out[row].float(), expected.reshape(-1), atol=tolerance, rtol=tolerance)
-        # The kernel wrote this token's k and v at its slot before attending.
-        assert torch.equal(cache[slots[row], 1].reshape(-1), qkv[row, (h + hkv) * d:])
+        # The kernel wrote this token's k and v at its slot before attending (rounded as torch casts).
+        assert torch.equal(cache[slots[row], 1].reshape(-1), qkv[row, (h + hkv) * d:].to(cache_dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, cache_dtype", DTYPE_PAIRS)
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_steps_with_several_tokens_per_sequence_attend_causally_like_sdpa(isa, dtype, d):
+def test_steps_with_several_tokens_per_sequence_attend_causally_like_sdpa(isa, dtype, cache_dtype, d):
     """Prefill chunks (one fresh, one on top of a cached prefix) and a decode in
     one step, indexed by the runner's own build_step_batch: the native kernel's
     per-token causal attention equals SDPA over the gathered, masked context."""
@@ -245,7 +249,7 @@ def test_steps_with_several_tokens_per_sequence_attend_causally_like_sdpa(isa, d
     meta = build_step_batch(chunks, block_size, torch.device("cpu")).meta
     assert meta.query_block_table is not None and meta.query_context_lens is not None
     num_tokens = int(meta.positions.numel())
-    cache = torch.randn(40 * block_size, 2, hkv, d).to(dtype)
+    cache = torch.randn(40 * block_size, 2, hkv, d).to(cache_dtype)
     qkv = torch.randn(num_tokens, (h + 2 * hkv) * d).to(dtype)
     cos, sin = torch.ones(80, d, dtype=dtype), torch.zeros(80, d, dtype=dtype)  # identity rotation
     native = native_attention(qkv.clone(), cache.clone(), cos, sin, meta, h, hkv, d, 0.2)
@@ -285,7 +289,7 @@ def test_attention_rows_sharing_a_work_item_get_the_bits_they_get_alone(isa, dty
 
     def attend(first: int, count: int) -> torch.Tensor:
         out = torch.empty(count, h * d, dtype=dtype)
-        assert lib.kvq_decode_attention(q[first].data_ptr(), act, q.stride(0), cache.data_ptr(),
+        assert lib.kvq_decode_attention(q[first].data_ptr(), act, q.stride(0), cache.data_ptr(), act,
                                         table[first].data_ptr(), table.shape[1], lens[first].data_ptr(), block_size,
                                         count, h, hkv, d, 0.2, out.data_ptr(), 2) == 0
         return out
@@ -422,7 +426,9 @@ def test_prompt_tiles_keep_batch_invariance_preemption_and_the_one_call_step(qty
     """With prompt tiles, a request's tokens are the same alone or in a crowd,
     with or without being preempted (its generated tokens, computed again,
     stay on the quantized kernels: the rule is the position, not the step),
-    and the one-call native step equals the layer-by-layer path."""
+    and the one-call native step equals the layer-by-layer path. (What the
+    tiles do to the numbers: test_prompt_tiles_compute_the_bfloat16_product...;
+    to the default model's tokens: test_quantized_default_model_agrees_with_the_float_path.)"""
     from kvserve.contract import SamplingParams
     from tests.tiny_models import random_prompts, run_to_completion, tiny_engine, tiny_llama
 
@@ -448,13 +454,6 @@ def test_prompt_tiles_keep_batch_invariance_preemption_and_the_one_call_step(qty
         splits.append((meta.bf16_rows_from, len(ids))) or forward(ids, caches, meta, lora))
     assert [o.token_ids for o in run_to_completion(per_op, prompts, params).values()] == alone
     assert any(0 < first < num_rows for first, num_rows in splits), splits  # steps of both kinds of row
-    # The tiles change prompt rows' numbers, not the model: greedy agrees with the quantized kernels.
-    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    plain = tiny_engine(hf, quantization=qtype, prefill_weights="none")
-    assert not plain.runner.model.prompt_rows_last
-    agree = [a.token_ids[:2] == b.token_ids[:2] for a, b in zip(run_to_completion(plain, prompts, greedy).values(),
-                                                                 run_to_completion(engine, prompts, greedy).values())]
-    assert sum(agree) >= 3, agree
 
 
 def test_prompt_rows_go_last_by_position_and_sampled_rows_follow():
@@ -488,6 +487,41 @@ def test_prompt_rows_go_last_by_position_and_sampled_rows_follow():
     # The same rows, as a set, with the same slots: only their order moved.
     rows = lambda b: sorted(zip(b.token_ids.tolist(), b.meta.positions.tolist(), b.meta.slot_mapping.tolist()))
     assert rows(batch) == rows(plain)
+
+
+@pytest.mark.parametrize("quantization", ["q8_0", "none"])
+def test_a_bfloat16_kv_cache_holds_twice_the_tokens_and_keeps_the_model(quantization):
+    """--kv-cache-dtype bfloat16 with float32 activations: twice the blocks in
+    the same memory; K/V rounded to bfloat16 when written, read by the native
+    kernels (quantized) or cast after SDPA's gather (float path); greedy
+    tokens as with the float32 cache; the one-call step equal to the
+    layer-by-layer path bit for bit."""
+    from kvserve.contract import SamplingParams
+    from kvserve.engine.core import EngineConfig
+    from tests.tiny_models import random_prompts, run_to_completion, tiny_engine, tiny_llama
+
+    hf = tiny_llama(seed=12)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts([21, 9, 33, 14], seed=3)
+    wide = tiny_engine(hf, quantization=quantization, kv_cache_dtype="float32", num_blocks=None)
+    half = tiny_engine(hf, quantization=quantization, kv_cache_dtype="bfloat16", num_blocks=None)
+    assert half.runner.kv_cache.dtype == torch.bfloat16 and half.kv_cache_dtype == "bfloat16"
+    assert wide.kv_cache_dtype == "float32"
+    # One memory budget (auto: what the weights leave), twice the blocks in it.
+    assert half.runner.kv_cache_memory_bytes == wide.runner.kv_cache_memory_bytes
+    assert half.runner.num_blocks in (2 * wide.runner.num_blocks, 2 * wide.runner.num_blocks + 1)
+    # auto: bfloat16 where the model computes on quantized weights in the native kernels, else --dtype.
+    auto = tiny_engine(hf, quantization=quantization)
+    assert auto.kv_cache_dtype == ("bfloat16" if auto.runner.model.native_ops else "float32")
+    tokens = [o.token_ids for o in run_to_completion(half, prompts, greedy).values()]
+    expected = [o.token_ids for o in run_to_completion(wide, prompts, greedy).values()]
+    assert sum(a[:3] == b[:3] for a, b in zip(tokens, expected)) >= 3, (tokens, expected)
+    if half.runner.model.native_decode is not None:
+        per_op = tiny_engine(hf, quantization=quantization, kv_cache_dtype="bfloat16")
+        per_op.runner.model.native_decode = None
+        assert [o.token_ids for o in run_to_completion(per_op, prompts, greedy).values()] == tokens
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="fp8")
 
 
 def test_prefill_weights_refuse_what_cannot_apply():

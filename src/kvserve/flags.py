@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Protocol
 
-from kvserve.config import (DEFAULT_KV_CACHE_MEMORY, PREFILL_WEIGHTS_CHOICES, QUANTIZATION_CHOICES,
-                            AdmissionConfig, CacheConfig, SchedulerConfig)
+from kvserve.config import (DEFAULT_KV_CACHE_MEMORY, KV_CACHE_DTYPE_CHOICES, PREFILL_WEIGHTS_CHOICES,
+                            QUANTIZATION_CHOICES, AdmissionConfig, CacheConfig, SchedulerConfig)
 from kvserve.fleet.autoscale import AutoscaleConfig
 
 
@@ -44,7 +44,12 @@ def add_model_arguments(group: ArgumentTarget) -> None:
     group.add_argument("--model", default=None,
                        help="a *.gguf file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
     group.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES,
-                       help="weight, activation and KV cache dtype")
+                       help="weight and activation dtype (and the KV cache's, unless --kv-cache-dtype)")
+    group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                       help="the KV cache's element type: auto = bfloat16 where the weights are computed "
+                            "quantized on CPU, else --dtype; bfloat16 with float32 activations holds twice the "
+                            "tokens in the same --kv-cache-memory and reads half the bytes per decoded token "
+                            "(K/V rounded to bfloat16 when written)")
     group.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
                        help="what the weights are computed in: auto = a GGUF's own Q8_0/Q4_0/Q4_1 blocks, kept "
                             "quantized in memory (CPU kernels; other files: --dtype); none = dequantized to "

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from kvserve.admission.step_limits import StepLimits
-from kvserve.config import (DEFAULT_KV_CACHE_MEMORY, PREFILL_WEIGHTS_CHOICES, CacheConfig, SchedulerConfig,
-                            SpeculativeConfig, parse_size)
+from kvserve.config import (DEFAULT_KV_CACHE_MEMORY, KV_CACHE_DTYPE_CHOICES, PREFILL_WEIGHTS_CHOICES, CacheConfig,
+                            SchedulerConfig, SpeculativeConfig, parse_size)
 from kvserve.contract import InvalidParameter, Request, RequestFactory, RequestStatus, ResolvedVersions, SamplingParams
 from kvserve.engine.adapters import AdapterRegistry
 from kvserve.engine.outputs import RequestOutput
@@ -72,6 +72,10 @@ class EngineConfig:
     # CPUs (+2 bytes per layer weight) up to 1 GiB of them, bf16 = those at any
     # size or refuse, none = as decode (model/quantized.wants_prompt_tiles).
     prefill_weights: str = "auto"
+    # The KV cache's element type: auto = bfloat16 for quantized weights on
+    # CPU, else dtype (model_runner.auto_kv_cache_dtype); bfloat16 halves a
+    # float32 model's KV bytes per token (twice the tokens in the same memory).
+    kv_cache_dtype: str = "auto"
     # Speculative decoding (None: off); a JSON text or dict of vLLM's keys is parsed.
     speculative_config: SpeculativeConfig | None = None
     # LoRA adapters (model/lora.py): served only with enable_lora; at most
@@ -91,6 +95,9 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 tokens, got {self.max_model_len}")
         check_quantization(self.quantization)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}; "
+                             f"got {self.kv_cache_dtype!r}")
         if self.prefill_weights not in PREFILL_WEIGHTS_CHOICES:
             raise ValueError(f"prefill_weights must be one of {', '.join(PREFILL_WEIGHTS_CHOICES)}; "
                              f"got {self.prefill_weights!r}")
@@ -207,8 +214,8 @@ class EngineCore:
 
         proposer = DraftModelProposer(draft_runner, self.runner, self.scheduler)
         target, draft = self.runner, proposer.draft
-        target_bytes = target.num_blocks * kv_bytes_per_block(target.config, target.block_size, target.dtype)
-        draft_bytes = draft.num_blocks * kv_bytes_per_block(draft.config, draft.block_size, draft.dtype)
+        target_bytes = target.num_blocks * kv_bytes_per_block(target.config, target.block_size, target.kv_dtype)
+        draft_bytes = draft.num_blocks * kv_bytes_per_block(draft.config, draft.block_size, draft.kv_dtype)
         log.info("KV cache budget %.1f MiB shared by the target and its draft model: target %.1f MiB, draft "
                  "%.1f MiB, %d blocks of %d tokens each", target.kv_cache_memory_bytes / 2**20, target_bytes / 2**20,
                  draft_bytes / 2**20, target.num_blocks, target.block_size)
@@ -226,6 +233,7 @@ class EngineCore:
             max_model_len=self.max_model_len, seed=config.seed,
             max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
             quantization=config.quantization, prefill_weights=config.prefill_weights,
+            kv_cache_dtype=config.kv_cache_dtype,
             max_loras=config.max_loras if config.enable_lora else None,
             max_lora_rank=config.max_lora_rank,
             extra_kv_bytes_per_block=0 if draft is None else draft.kv_bytes_per_block,
@@ -416,6 +424,15 @@ class EngineCore:
     @property
     def num_kv_blocks(self) -> int:
         return self.runner.num_blocks
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's element type as resolved ("float32", "bfloat16"); a
+        simulated runner, which holds no tensors, answers its config's."""
+        kv_dtype = getattr(self.runner, "kv_dtype", None)
+        if kv_dtype is None:
+            return self.config.dtype if self.config.kv_cache_dtype == "auto" else self.config.kv_cache_dtype
+        return str(kv_dtype).removeprefix("torch.")
 
     @property
     def num_running(self) -> int:

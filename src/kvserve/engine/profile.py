@@ -407,7 +407,7 @@ def profile(args: argparse.Namespace) -> dict:
     from kvserve.runner.model_runner import kv_bytes_per_block
 
     engine = {"kv_cache_memory_bytes": config.kv_cache_memory_bytes, "num_blocks": core.runner.num_blocks,
-              "kv_bytes_per_block": kv_bytes_per_block(loaded.config, args.block_size, core.runner.dtype),
+              "kv_bytes_per_block": kv_bytes_per_block(loaded.config, args.block_size, core.runner.kv_dtype),
               "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens}
     model, stats = fit_linear_cost_model(samples, source="kvserve profile", engine=engine,

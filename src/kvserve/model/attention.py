@@ -102,7 +102,7 @@ def paged_attention(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale:
     # context: [B, Lmax, 2, Hkv, D] gathered through the block tables
     # index_select, not advanced indexing: many times faster on CPU for this shape.
     context = kv_cache.index_select(0, meta.context_slots.view(-1)).view(
-        b, -1, *kv_cache.shape[1:])
+        b, -1, *kv_cache.shape[1:]).to(q.dtype)  # a cache of another dtype (--kv-cache-dtype): cast the gather
     k = context[:, :, 0].transpose(1, 2)  # [B, Hkv, Lmax, D]
     v = context[:, :, 1].transpose(1, 2)
     if meta.is_decode_only:
@@ -144,17 +144,17 @@ def native_attention(qkv: Tensor, kv_cache: Tensor, cos: Tensor, sin: Tensor, me
     step's matmuls on a 256-token prompt; SDPA remains for head shapes past
     the kernel's buffers."""
     lib = require_kernels()
-    dtype = activation_type(qkv.dtype)
+    dtype, cache_dtype = activation_type(qkv.dtype), activation_type(kv_cache.dtype)
     num_tokens = qkv.shape[0]
     h, hkv, d = num_heads, num_kv_heads, head_dim
     lib.kvq_rope_write_kv(qkv.data_ptr(), dtype, num_tokens, qkv.stride(0), meta.positions.data_ptr(),
                           cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), kv_cache.data_ptr(),
-                          h, hkv, d, kernel_threads())
+                          cache_dtype, h, hkv, d, kernel_threads())
     rows = meta.decode_rows()
     if rows is not None:
         block_table, context_lens = rows
         out = torch.empty((num_tokens, h * d), dtype=qkv.dtype)
-        status = lib.kvq_decode_attention(qkv.data_ptr(), dtype, qkv.stride(0), kv_cache.data_ptr(),
+        status = lib.kvq_decode_attention(qkv.data_ptr(), dtype, qkv.stride(0), kv_cache.data_ptr(), cache_dtype,
                                           block_table.data_ptr(), block_table.shape[1],
                                           context_lens.data_ptr(), meta.block_size, num_tokens,
                                           h, hkv, d, scale, out.data_ptr(), kernel_threads())

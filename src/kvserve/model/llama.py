@@ -232,7 +232,7 @@ class DecoderLayer:
         q = qk[:, :h]
         kv = torch.stack((qk[:, h:], qkv[:, (h + hkv) * d:].view(num_tokens, hkv, d)), dim=1)
         # Write every token's K/V first, so each query below reads its own key too.
-        kv_cache.index_copy_(0, meta.slot_mapping, kv)
+        kv_cache.index_copy_(0, meta.slot_mapping, kv.to(kv_cache.dtype))
         return paged_attention(q, kv_cache, meta, self.scale).reshape(num_tokens, h * d)
 
 
@@ -281,7 +281,7 @@ class NativeStep:
             block_table.shape[1], context_lens.data_ptr(), meta.block_size, qkv.data_ptr(),
             attn.data_ptr(), gate_up.data_ptr(), kernel_threads(num_tokens),
             None if lora is None else ctypes.addressof(lora),
-            num_tokens if meta.bf16_rows_from is None else meta.bf16_rows_from)
+            num_tokens if meta.bf16_rows_from is None else meta.bf16_rows_from, activation_type(kv_caches[0].dtype))
         if status == -2:
             raise KernelUnavailable("this CPU has no AMX-BF16 for the bfloat16 prompt tiles")
         if status != 0:

@@ -66,10 +66,10 @@ def _library() -> ctypes.CDLL | None:
     lib.kvq_matmul.argtypes = [i32, ptr, i64, i64, ptr, i32, i64, i32, ptr, f32,
                                i64, ptr, i32, i64, ptr, i32, i64, i32]
     lib.kvq_matmul.restype = i32
-    lib.kvq_rope_write_kv.argtypes = [ptr, i32, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
+    lib.kvq_rope_write_kv.argtypes = [ptr, i32, i64, i64, ptr, ptr, ptr, ptr, ptr, i32, i64, i64, i64, i32]
     lib.kvq_rope_write_kv.restype = None
-    lib.kvq_decode_attention.argtypes = [ptr, i32, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, ptr,
-                                         i32]
+    lib.kvq_decode_attention.argtypes = [ptr, i32, i64, ptr, i32, ptr, i64, ptr, i64, i64, i64, i64, i64, f32,
+                                         ptr, i32]
     lib.kvq_decode_attention.restype = i32
     lib.kvq_dequantize_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32, i32]
     lib.kvq_dequantize_rows.restype = None
@@ -77,7 +77,7 @@ def _library() -> ctypes.CDLL | None:
                                     i64, i32]
     lib.kvq_matmul_bf16.restype = i32
     lib.kvq_decode_layers.argtypes = [ptr, i64, ptr, i32, i64, i64, i64, i64, i64, i64, f32, f32,
-                                      ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i32, ptr, i64]
+                                      ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i32, ptr, i64, i32]
     lib.kvq_decode_layers.restype = i32
     lib.kvq_lora_apply.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i32, i64, i32, ptr, f32, ptr, i64, i32]
     lib.kvq_lora_apply.restype = i32

@@ -68,12 +68,13 @@ MAX_HEAD_DIM = 256
 
 
 def supports(q: Tensor, kv_cache: Tensor, context_slots: Tensor) -> bool:
-    """Whether the kernel takes these shapes: a power-of-two head_dim up to
+    """Whether the kernel takes these shapes: the cache in q's dtype (else the
+    torch path casts what it gathers), a power-of-two head_dim up to
     MAX_HEAD_DIM (tl.arange needs a power of two), unit stride along it and
     along the context."""
     head_dim = q.shape[-1]
-    return (head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0 and q.stride(2) == 1
-            and kv_cache.stride(3) == 1 and context_slots.stride(1) == 1)
+    return (kv_cache.dtype == q.dtype and head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0
+            and q.stride(2) == 1 and kv_cache.stride(3) == 1 and context_slots.stride(1) == 1)
 
 
 def decode_attention(q: Tensor, kv_cache: Tensor, context_slots: Tensor, context_lens: Tensor,

@@ -37,7 +37,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         "int8, q8_0, q4_1, int4. Default: the file size for --model, else bfloat16")
     parser.add_argument("--kv-dtype", default="bfloat16",
                         help="KV cache element dtype (bfloat16 = 2 bytes per element; `kvserve serve` "
-                        "holds its KV cache in its --dtype, float32 by default)")
+                        "holds its KV cache in its --kv-cache-dtype: auto = bfloat16 for quantized weights on "
+                        "CPU, else its --dtype)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

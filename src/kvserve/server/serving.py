@@ -90,7 +90,7 @@ class Serving:
         self.metrics.record_weights(core.weight_formats())
         self.metrics.record_memory(core.memory_bytes)
         self.metrics.record_cache_config(core.config.block_size, core.num_kv_blocks, core.config.enable_prefix_caching,
-                                         core.config.dtype, core.memory_bytes()["kv_cache"])
+                                         core.kv_cache_dtype, core.memory_bytes()["kv_cache"])
         self.tracer = tracer if tracer is not None else _otlp_tracer(server_config, self.versions, clock)
         self.request_log = RequestLog(self.model_name, self.tokenizer.decode, server_config.log_prompts) \
             if server_config.request_log else None

@@ -819,16 +819,19 @@ static void pair_tile_vnni(int wtype, const uint8_t* wg0, const uint8_t* wg1, in
 #define KVQ_AMX_PAIR_BYTES 512   /* one block's B tile: 8 rows of 4 inputs x 16 weight rows x 4 */
 #define KVQ_AMX __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")))
 
-/* AMX-TILE and AMX-INT8 (CPUID 7.0 EDX bits 24, 25) and the kernel's leave to
- * use them: Linux hands a process the 8 KB of tile data only on request
- * (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, process-wide, Linux >= 5.16). */
+/* AMX-TILE (CPUID 7.0 EDX bit 24) with the AMX feature of EDX bit `bit`
+ * (25: INT8, 22: BF16), and the kernel's leave to use them: Linux hands a
+ * process the 8 KB of tile data only on request (arch_prctl
+ * ARCH_REQ_XCOMP_PERM for XTILEDATA, process-wide, Linux >= 5.16). */
+static int amx_granted(int bit) {
+    unsigned a, b, c, d;
+    int ok = kvq_has_avx512_vnni() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> bit & 1);
+    return ok && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+}
+
 int kvq_has_amx(void) {
     static int cached = -1;
-    if (cached < 0) {
-        unsigned a, b, c, d;
-        int ok = kvq_has_avx512_vnni() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1);
-        cached = ok && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    }
+    if (cached < 0) cached = amx_granted(25);
     return cached;
 }
 
@@ -1190,14 +1193,9 @@ int kvq_matmul(int wtype, const uint8_t* w, int64_t N, int64_t K, const void* x,
 #ifdef KVQ_X86
 #define KVQ_AMX_BF16 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,amx-tile,amx-bf16")))
 
-/* AMX-TILE and AMX-BF16 (CPUID 7.0 EDX bits 24, 22) and the tile data granted. */
 int kvq_has_amx_bf16(void) {
     static int cached = -1;
-    if (cached < 0) {
-        unsigned a, b, c, d;
-        int ok = kvq_has_avx512_vnni() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 22 & 1);
-        cached = ok && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    }
+    if (cached < 0) cached = amx_granted(22);
     return cached;
 }
 

@@ -435,8 +435,10 @@ def test_prompt_tiles_keep_batch_invariance_preemption_and_the_one_call_step(qty
     hf = tiny_llama(seed=9)
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True)
     prompts = random_prompts([20, 19, 18, 20], seed=15)
-    # A 24-token budget: prompts go in chunks beside other requests' decodes.
-    fields = dict(quantization=qtype, prefill_weights="bf16", enable_prefix_caching=False, max_num_batched_tokens=24)
+    # A 24-token budget: prompts go in chunks beside other requests' decodes. A float32
+    # cache: num_blocks below counts its blocks.
+    fields = dict(quantization=qtype, prefill_weights="bf16", enable_prefix_caching=False, max_num_batched_tokens=24,
+                  kv_cache_dtype="float32")
     engine = tiny_engine(hf, **fields)
     assert engine.runner.model.prompt_rows_last
     alone = [list(run_to_completion(engine, [p], params).values())[0].token_ids for p in prompts]

@@ -94,26 +94,21 @@ TEST_DEVICE = os.environ.get("KVSERVE_TEST_DEVICE", "cpu")
 
 def tiny_engine(hf_model, clock=None, **config_fields):
     """An EngineCore over the HF model's weights. Default: 256 blocks of 4 tokens
-    (num_blocks=None: the engine's automatic KV size), whatever the KV
-    cache's dtype (`kv_cache_dtype`, auto: bfloat16 for quantized weights)."""
+    in float32, twice the blocks in the same bytes where the cache is 16-bit
+    (a bfloat16 model, or --kv-cache-dtype auto on quantized weights);
+    num_blocks=None: the engine's automatic KV size."""
     from kvserve.engine.core import EngineConfig, EngineCore
 
     model_config = model_config_of(hf_model)
     fields = dict(block_size=4, device=TEST_DEVICE)
     fields.update(config_fields)
     num_blocks = fields.pop("num_blocks", 256)
+    bytes_per_block = fields["block_size"] * model_config.kv_bytes_per_token(4)
+    config = EngineConfig(kv_cache_memory_bytes=None if num_blocks is None else num_blocks * bytes_per_block,
+                          **fields)
     extra = {} if clock is None else {"clock": clock}
-
-    def build(kv_itemsize: int):
-        bytes_per_block = fields["block_size"] * model_config.kv_bytes_per_token(kv_itemsize)
-        config = EngineConfig(kv_cache_memory_bytes=None if num_blocks is None else num_blocks * bytes_per_block,
-                              **fields)
-        return EngineCore(model_config, weights_of(hf_model), word_tokenizer(model_config.vocab_size), config,
-                          **extra)
-
-    engine = build(4)
-    kv_itemsize = engine.runner.kv_cache.element_size()
-    return engine if num_blocks is None or kv_itemsize == 4 else build(kv_itemsize)
+    return EngineCore(model_config, weights_of(hf_model), word_tokenizer(model_config.vocab_size), config,
+                      **extra)
 
 
 def run_to_completion(engine, prompts, params) -> dict:

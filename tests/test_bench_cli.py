@@ -91,6 +91,26 @@ def test_sweep_writes_capacity_and_points(server, tmp_path, capsys):
     assert sweep["max_sustainable_rate_per_s"] == 40.0
     assert (tmp_path / "rate_20" / "report.json").exists()
     assert "max sustainable rate" in capsys.readouterr().out
+    # Each rate sends prompts of its own: a server's prefix cache cannot carry one run's into the next.
+    prompts = {}
+    for record in server.received:
+        body = record["body"]
+        prompts.setdefault(record["index"], []).append(
+            body.get("prompt") or json.dumps(body.get("messages")))
+    assert all(len(texts) == 2 and texts[0] != texts[1] for texts in prompts.values()), prompts
+
+
+def test_prompts_of_a_new_run_keep_their_shared_prefix():
+    from kvserve.bench.prompts import PromptBuilder
+    from kvserve.bench.workload import PrefixGroup, RequestSpec
+
+    base = PromptBuilder(seed=3)
+    spec = RequestSpec(index=0, prompt_tokens=40, output_tokens=4, prefix_group=PrefixGroup(1, 20))
+    first, again, other = base.build(spec), base.for_run("rate 2").build(spec), base.for_run("rate 4").build(spec)
+    assert first == base.build(spec) and again == base.for_run("rate 2").build(spec)  # deterministic
+    assert len({first, again, other}) == 3
+    prefix = base.build(spec).split()[:20]
+    assert again.split()[:20] == prefix == other.split()[:20]
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -350,7 +350,9 @@ def _run_sweep(args: argparse.Namespace, config: ClientConfig, builder: PromptBu
 
     def run_at(rate: float) -> dict:
         print(f"--- rate {rate:.3g} req/s", file=sys.stderr)
-        return _run_once(args, config, builder, slo, plan_requests(args, rate), out / f"rate_{rate:.4g}", server)
+        # Each rate its own prompts (prefix groups shared): the runs do not hit each other's cached prompts.
+        return _run_once(args, config, builder.for_run(f"rate {rate:.4g}"), slo, plan_requests(args, rate),
+                         out / f"rate_{rate:.4g}", server)
 
     run_sweep_to_dir(run_at, out, slo.name, args.sweep_start_rate, args.sweep_max_runs,
                      args.sweep_tolerance)

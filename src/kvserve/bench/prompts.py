@@ -70,10 +70,21 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
 class PromptBuilder:
     """Builds the text of each request; identical prefixes per prefix group."""
 
-    def __init__(self, tokenizer: TextTokenizer | None = None, seed: int = 0) -> None:
+    def __init__(self, tokenizer: TextTokenizer | None = None, seed: int = 0, run: str = "") -> None:
         self._tok = tokenizer
         self._seed = seed
+        self._run = run  # salts each request's own words, not the shared prefixes
         self._prefixes: dict[int, str] = {}
+
+    def for_run(self, run: str) -> "PromptBuilder":
+        """A builder whose requests' own words are new for `run` (a sweep's
+        rate), while prefix groups keep their text: a server's prefix cache
+        then holds what a real workload shares (system prompts) and not the
+        last run's whole prompts, which would make every run after the first
+        a cache hit wherever the cache holds them all."""
+        builder = PromptBuilder(self._tok, self._seed, run)
+        builder._prefixes = self._prefixes
+        return builder
 
     @property
     def exact(self) -> bool:
@@ -84,7 +95,7 @@ class PromptBuilder:
         return len(self._tok.encode(text)) if self._tok else len(text.split())
 
     def build(self, spec: RequestSpec) -> str:
-        rng = random.Random(f"{self._seed}:prompt:{spec.index}")
+        rng = random.Random(f"{self._seed}:prompt:{spec.index}" + (f":{self._run}" if self._run else ""))
         prefix = ""
         if spec.prefix_group is not None:
             prefix = self._prefix(spec.prefix_group.group_id, spec.prefix_group.prefix_tokens)

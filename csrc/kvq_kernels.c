@@ -379,6 +379,17 @@ static inline __m512 load16_avx512(const void* x, int xtype, int64_t i) {
     return _mm512_loadu_ps((const float*)x + i);
 }
 
+/* bf16 of 16 floats, rounded as f32_to_bf16 (to nearest even; NaN kept quiet). */
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw"), always_inline))
+static inline __m256i to_bf16x16_avx512(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+
 /* Block b's int8 values (with inverse scale inv) into q; returns their sums, 16 int32 lanes. */
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw"), always_inline))
 static inline __m512i quantize_block_avx512(const void* x, int xtype, int64_t b, float inv, int8_t* q) {
@@ -1035,24 +1046,26 @@ static void quantize_chunk(const void* ctx, int64_t chunk) {
 }
 
 #ifdef KVQ_X86
-/* Rows m0 .. m0 + MR - 1, columns n0 .. n0 + 15 (those below N) of the output,
- * from a pair tile's sums: matmul_tile's stores, value for value. */
-KVQ_AMX static void amx_store(const matmul_job* j, int64_t m0, int MR, int64_t n0, const float (*sums)[16]) {
-    const int64_t count = j->N - n0 < 16 ? j->N - n0 : 16;
-    const size_t ysz = j->ytype == KVQ_BF16 ? 2 : 4, asz = j->addtype == KVQ_BF16 ? 2 : 4;
-    const int direct = count == 16 && j->ytype == KVQ_F32 && (j->add == NULL || j->addtype == KVQ_F32);
+/* Rows m0 .. m0 + MR - 1, columns n0 .. n0 + 15 (those below N) of y (+ add),
+ * from a 16 x 16 tile of float sums (64-byte aligned): matmul_tile's stores,
+ * value for value. Both AMX paths store through it. */
+__attribute__((target("avx2,fma,f16c,avx512f")))
+static void store_tile_sums(void* y, int ytype, int64_t ldy, const void* add, int addtype, int64_t ldadd, int64_t N,
+                            int64_t m0, int MR, int64_t n0, const float (*sums)[16]) {
+    const int64_t count = N - n0 < 16 ? N - n0 : 16;
+    const size_t ysz = ytype == KVQ_BF16 ? 2 : 4, asz = addtype == KVQ_BF16 ? 2 : 4;
+    const int direct = count == 16 && ytype == KVQ_F32 && (add == NULL || addtype == KVQ_F32);
     for (int r = 0; r < MR; r++) {
         const int64_t m = m0 + r;
         if (direct) {
-            const __m512 add = j->add ? _mm512_loadu_ps((const float*)j->add + m * j->ldadd + n0) : _mm512_setzero_ps();
-            _mm512_storeu_ps((float*)j->y + m * j->ldy + n0, _mm512_add_ps(_mm512_load_ps(sums[r]), add));
+            const __m512 a = add ? _mm512_loadu_ps((const float*)add + m * ldadd + n0) : _mm512_setzero_ps();
+            _mm512_storeu_ps((float*)y + m * ldy + n0, _mm512_add_ps(_mm512_load_ps(sums[r]), a));
             continue;
         }
-        const float* out = sums[r];
-        void* yrow = (char*)j->y + (size_t)m * j->ldy * ysz;
-        const void* arow = j->add ? (const char*)j->add + (size_t)m * j->ldadd * asz : NULL;
+        void* yrow = (char*)y + (size_t)m * ldy * ysz;
+        const void* arow = add ? (const char*)add + (size_t)m * ldadd * asz : NULL;
         for (int64_t i = 0; i < count; i++)
-            store_y(yrow, j->ytype, n0 + i, out[i] + (arow ? load_x(arow, j->addtype, n0 + i) : 0.f));
+            store_y(yrow, ytype, n0 + i, sums[r][i] + (arow ? load_x(arow, addtype, n0 + i) : 0.f));
     }
 }
 
@@ -1095,7 +1108,8 @@ KVQ_AMX static int matmul_chunk_amx(const matmul_job* j, int64_t chunk) {
             else
                 amx_pair_tile_1(scratch + p * pair_bytes, dw, dw + 16 * j->nb, j->nb, j->qa + m0 * j->K, j->K,
                                 j->dat + m0 * j->nb, j->sat + m0 * j->nb, sums);
-            amx_store(j, m0, MR, (g0 + 2 * p) * NR, (const float (*)[16])sums);
+            store_tile_sums(j->y, j->ytype, j->ldy, j->add, j->addtype, j->ldadd, j->N, m0, MR, (g0 + 2 * p) * NR,
+                            (const float (*)[16])sums);
         }
     }
     _tile_release();  /* no tile state left live: a context switch saves 8 KB less */
@@ -1179,7 +1193,7 @@ int kvq_matmul(int wtype, const uint8_t* w, int64_t N, int64_t K, const void* x,
  * int8 path's per-block float epilogue (a multiply-add per 16 outputs, row
  * and 32-wide block) binds, not the products. kvq_matmul_bf16 takes such rows
  * on AMX-BF16 tiles over a bfloat16 copy of the weights packed at load
- * (quantized.py: pack_bf16_tiles, from the dequantized Q4/Q8 values): the
+ * (quantized.py: pack_prompt_tiles, from the dequantized Q4/Q8 values): the
  * products accumulate in the tiles' float32 across the whole K, with no
  * epilogue but the store. Each output row is its own row of A against the
  * same B tiles in the same K order, so its numbers do not depend on how many
@@ -1220,17 +1234,8 @@ KVQ_AMX_BF16 static void bf16_rows_chunk(const void* ctx, int64_t chunk) {
         const void* row = (const char*)j->x + (size_t)m * j->ldx * esz;
         if (j->xop != KVQ_X_PLAIN) transform_row(row, j->xtype, j->K, j->xop, j->norm_w, j->eps, tmp, 3);
         else for (int64_t k = 0; k < j->K; k++) tmp[k] = load_x(row, j->xtype, k);
-        const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
-        for (int64_t k = 0; k < j->K; k += 16) {
-            __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(tmp + k));
-            __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(bits, 16), one)));
-            /* NaN: quieted as f32_to_bf16 quiets it, not rounded into infinity */
-            __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
-                                                    _mm512_set1_epi32(0x7f800000));
-            rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
-            _mm256_storeu_si256((__m256i*)(out + 512 * (k / QK) + k % QK),
-                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-        }
+        for (int64_t k = 0; k < j->K; k += 16)
+            _mm256_storeu_si256((__m256i*)(out + 512 * (k / QK) + k % QK), to_bf16x16_avx512(_mm512_loadu_ps(tmp + k)));
     }
 }
 
@@ -1243,21 +1248,10 @@ KVQ_AMX_BF16 static void amx_bf16_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* A C tile's sums for rows m0 .. (those below M; a tile starts below M) and outputs n0 ... */
 KVQ_AMX_BF16 static void bf16_store(const bf16_job* j, int64_t m0, int64_t n0, const float (*sums)[16]) {
-    const int64_t count = j->N - n0 < 16 ? j->N - n0 : 16;
-    const size_t ysz = j->ytype == KVQ_BF16 ? 2 : 4, asz = j->addtype == KVQ_BF16 ? 2 : 4;
-    for (int r = 0; r < 16 && m0 + r < j->M; r++) {
-        const int64_t m = m0 + r;
-        if (count == 16 && j->ytype == KVQ_F32 && (j->add == NULL || j->addtype == KVQ_F32)) {
-            const __m512 add = j->add ? _mm512_loadu_ps((const float*)j->add + m * j->ldadd + n0) : _mm512_setzero_ps();
-            _mm512_storeu_ps((float*)j->y + m * j->ldy + n0, _mm512_add_ps(_mm512_loadu_ps(sums[r]), add));
-            continue;
-        }
-        void* yrow = (char*)j->y + (size_t)m * j->ldy * ysz;
-        const void* arow = j->add ? (const char*)j->add + (size_t)m * j->ldadd * asz : NULL;
-        for (int64_t i = 0; i < count; i++)
-            store_y(yrow, j->ytype, n0 + i, sums[r][i] + (arow ? load_x(arow, j->addtype, n0 + i) : 0.f));
-    }
+    store_tile_sums(j->y, j->ytype, j->ldy, j->add, j->addtype, j->ldadd, j->N, m0,
+                    (int)(j->M - m0 < 16 ? j->M - m0 : 16), n0, sums);
 }
 
 /* One chunk: 32 outputs (two B column tiles; one where N ends) against every
@@ -2195,16 +2189,6 @@ KVQ_AVX512 __m512 lora_bf16x16_avx512(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-/* bf16 of 16 floats, rounded as f32_to_bf16 (to nearest even; NaN kept quiet). */
-KVQ_AVX512 __m256i lora_to_bf16x16_avx512(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(rounded);
-}
-
 static inline __mmask16 lora_first16(int64_t n) { return n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1); }
 
 /* A 16-column panel tile (rows of 16 bf16, `depth` of them) times MR <= 8
@@ -2256,7 +2240,7 @@ KVQ_AVX512 void lora_expand_tile_avx512(const uint16_t* bt, int64_t rank, const 
             uint16_t* yr = (uint16_t*)y + at;
             const __m512 old = _mm512_castsi512_ps(
                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, yr)), 16));
-            _mm256_mask_storeu_epi16(yr, mask, lora_to_bf16x16_avx512(_mm512_add_ps(old, sum)));
+            _mm256_mask_storeu_epi16(yr, mask, to_bf16x16_avx512(_mm512_add_ps(old, sum)));
         }
     }
 }

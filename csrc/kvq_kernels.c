@@ -1952,12 +1952,287 @@ static int64_t attention_items(const int64_t* block_table, int64_t max_blocks, i
     return count;
 }
 
-/* 0 when the shapes fit the kernel's fixed buffers, else -1 (nothing written). */
+/* ---- a prompt's rows attend on AMX-BF16 ------------------------------------
+ *
+ * A prompt's positions are many query rows over the same keys, where the row
+ * kernel above does a dot product and a horizontal sum per (row, key): about
+ * a third of a 256-token prefill step on the default model. The rows from the
+ * caller's prompt_from on (the rows the bfloat16 prompt tiles take) multiply
+ * on AMX-BF16 tiles instead. Per sequence and KV head, its keys are packed
+ * once in bfloat16 as the B tiles of Q K^T (16 keys x 32 dims) and its values
+ * as those of P V (32 keys x 16 dims); then each 16 query rows of one query
+ * head take their scores S = Q K^T (float32 sums), a softmax over each row's
+ * own context (the row's maximum first, then exp: no rescaling), P rounded to
+ * bfloat16, and O = P V / sum(P) with the sum of the rounded P.
+ *
+ * Each output row depends only on its own query, its context length and the
+ * cache: a tile product's element is its A row against its B column; tiles
+ * past a row's context hold P = 0, whose products add exact zeros; the max,
+ * the exps and the sum run per row in a fixed order over absolute key
+ * positions. So a prompt's tokens come out the same whichever rows share
+ * their tile: in one chunk or several, alone or beside other requests.
+ * Against the row kernel: Q, K, P and V are bfloat16 in the products (the
+ * prompt tiles' activations already are); scores and sums stay float32. */
+
+#ifdef KVQ_X86
+/* A thread's buffer of at least num_bytes (64-byte aligned), grown as needed and kept. */
+static void* grown(void** buffer, int64_t* capacity, int64_t num_bytes) {
+    if (num_bytes > *capacity) {
+        free(*buffer);
+        *buffer = aligned_alloc(64, (size_t)((num_bytes + 63) / 64 * 64));
+        *capacity = *buffer ? num_bytes : 0;
+    }
+    return *buffer;
+}
+
+/* Rows r0..r1-1 of one sequence; L its longest context; pack: where its
+ * heads' packs start (uint16 elements), each head's K tiles then V tiles. */
+typedef struct { int64_t r0, r1, L, pack; } prompt_seq;
+/* Pack: seq, kvh, a 32-key tile (r0). Attend: seq, kvh, query rows r0..r1-1 (<= 16). */
+typedef struct { int32_t seq, kvh, r0, r1; } prompt_item;
+
+typedef struct {
+    const void* q; int dtype; int64_t ldq; const char* cache; int cache_dtype;
+    const int64_t *block_table, *context_lens;
+    int64_t max_blocks, block_size, H, Hkv, D, DP; float scale; void* out;
+    const prompt_seq* seqs; const prompt_item* items; uint16_t* packs;
+    int* failed;  /* set where a thread's scratch could not be had */
+} prompt_job;
+
+/* Elements of one head's packs: K as Lp x DP (dims padded to 32), V as Lp x D. */
+static int64_t head_pack_elems(int64_t L, int64_t D, int64_t DP) { return (L + 31) / 32 * 32 * (DP + D); }
+
+/* 16 bfloat16 of a cache row (float32 rounded as f32_to_bf16) at element i, as 16 dwords' low halves. */
+KVQ_AMX_BF16 static inline __m512i cache_bf16x16(const char* row, int cache_dtype, int64_t i) {
+    if (cache_dtype == KVQ_BF16) return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)row + i)));
+    return _mm512_cvtepu16_epi32(to_bf16x16_avx512(_mm512_loadu_ps((const float*)row + i)));
+}
+
+/* One 32-key tile of a sequence's head: its keys into the Q K^T B tiles
+ * (tile kt, 32-dim chunk c: element [k2][n][j] = K[16 kt + n][32 c + 2 k2 + j])
+ * and its values into the P V B tiles (tile t, 16-dim group g: element
+ * [k2][n][j] = V[32 t + 2 k2 + j][16 g + n]); zeros past the context. */
+KVQ_AMX_BF16 static void prompt_pack_chunk(const void* ctx, int64_t index) {
+    const prompt_job* j = ctx;
+    const prompt_item* it = j->items + index;
+    const prompt_seq* s = j->seqs + it->seq;
+    const int64_t D = j->D, DP = j->DP, Lp = (s->L + 31) / 32 * 32, t = it->r0, kvh = it->kvh;
+    const size_t esz = j->cache_dtype == KVQ_BF16 ? 2 : 4, slot_bytes = (size_t)2 * j->Hkv * D * esz;
+    const int64_t* blocks = j->block_table + s->r0 * j->max_blocks;
+    uint16_t* kpack = j->packs + s->pack + kvh * head_pack_elems(s->L, D, DP);
+    uint16_t* vpack = kpack + Lp * DP;
+    const char* rows[32];
+    for (int64_t n = 0; n < 32; n++) {
+        const int64_t p = 32 * t + n;
+        rows[n] = p < s->L ? j->cache + (size_t)(blocks[p / j->block_size] * j->block_size + p % j->block_size) * slot_bytes
+                             + (size_t)kvh * D * esz : NULL;
+    }
+    for (int64_t n = 0; n < 32; n++) {  /* keys: each key's dword pairs down a column of its tile */
+        uint32_t* tile = (uint32_t*)(kpack + (2 * t + n / 16) * (DP / 32) * 512) + n % 16;
+        for (int64_t d = 0; d < DP; d += 16) {
+            uint32_t pairs[8];
+            if (rows[n] != NULL && d < D)
+                _mm256_storeu_si256((__m256i*)pairs, _mm512_cvtepi32_epi16(cache_bf16x16(rows[n], j->cache_dtype, d)));
+            else
+                memset(pairs, 0, sizeof pairs);
+            for (int64_t k = 0; k < 8; k++) tile[((d / 32) * 16 + (d % 32) / 2 + k) * 16] = pairs[k];
+        }
+    }
+    for (int64_t k2 = 0; k2 < 16; k2++) {  /* values: two keys interleaved per row of a tile */
+        const char *a = rows[2 * k2], *b = rows[2 * k2 + 1];
+        for (int64_t g = 0; g < D / 16; g++) {
+            const __m512i lo = a ? cache_bf16x16(a + (size_t)j->Hkv * D * esz, j->cache_dtype, 16 * g) : _mm512_setzero_si512();
+            const __m512i hi = b ? cache_bf16x16(b + (size_t)j->Hkv * D * esz, j->cache_dtype, 16 * g) : _mm512_setzero_si512();
+            _mm512_storeu_si512(vpack + ((t * (D / 16) + g) * 16 + k2) * 32, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
+
+/* C tile c += A tile 4 (P) x B tile 5 or 6 (V's group g of key tile t); tile numbers are immediates. */
+#define KVQ_PV(C, B)                                                            \
+    do {                                                                        \
+        _tile_loadd(B, vpack + (t * (D / 16) + g0 + C) * 512, 64);              \
+        _tile_dpbf16ps(C, 4, B);                                                \
+    } while (0)
+
+/* Up to 16 query rows of one sequence, one KV head, each of its query heads in turn. */
+KVQ_AMX_BF16 static void prompt_attend_chunk(const void* ctx, int64_t index) {
+    static __thread void* scratch = NULL;
+    static __thread int64_t capacity = 0;
+    const prompt_job* j = ctx;
+    const prompt_item* it = j->items + index;
+    const prompt_seq* s = j->seqs + it->seq;
+    const int64_t D = j->D, DP = j->DP, group = j->H / j->Hkv, Lp = (s->L + 31) / 32 * 32;
+    const int64_t r0 = it->r0, n = it->r1 - it->r0;
+    int64_t Lq = 0;
+    for (int64_t i = 0; i < n; i++) Lq = j->context_lens[r0 + i] > Lq ? j->context_lens[r0 + i] : Lq;
+    const int64_t nk16 = (Lq + 15) / 16, nk32 = (Lq + 31) / 32, width = nk32 * 32;
+    uint16_t* qa = grown(&scratch, &capacity, 16 * DP * 2 + 16 * width * 4 + nk32 * 1024);
+    if (qa == NULL) { __atomic_store_n(j->failed, 1, __ATOMIC_RELAXED); return; }
+    float* S = (float*)(qa + 16 * DP);
+    uint16_t* pa = (uint16_t*)(S + 16 * width);
+    const uint16_t* kpack = j->packs + s->pack + it->kvh * head_pack_elems(s->L, D, DP);
+    const uint16_t* vpack = kpack + Lp * DP;
+    float den[16], o[16][16] __attribute__((aligned(64)));
+    const size_t xsz = j->dtype == KVQ_BF16 ? 2 : 4;
+    amx_bf16_configure();
+    for (int64_t qh = 0; qh < group; qh++) {
+        const int64_t h = it->kvh * group + qh;
+        for (int64_t i = 0; i < 16; i++) {  /* A tiles of Q: 16 rows x DP, scaled, rounded, zero-padded */
+            for (int64_t d = 0; d < DP; d += 16) {
+                __m512 v = _mm512_setzero_ps();
+                if (i < n && d < D)
+                    v = _mm512_mul_ps(load16_avx512((const char*)j->q + (size_t)(r0 + i) * j->ldq * xsz, j->dtype,
+                                                    h * D + d), _mm512_set1_ps(j->scale));
+                _mm256_storeu_si256((__m256i*)(qa + i * DP + d), to_bf16x16_avx512(v));
+            }
+        }
+        for (int64_t kt = 0; kt < nk16; kt++) {  /* S = Q K^T, 16 keys at a time */
+            _tile_zero(0);
+            for (int64_t c = 0; c < DP / 32; c++) {
+                _tile_loadd(4, qa + 32 * c, DP * 2);
+                _tile_loadd(5, kpack + (kt * (DP / 32) + c) * 512, 64);
+                _tile_dpbf16ps(0, 4, 5);
+            }
+            _tile_stored(0, S + 16 * kt, width * 4);
+        }
+        for (int64_t i = 0; i < 16; i++) {  /* P: each row's softmax numerators over its own context */
+            if (i >= n) {
+                for (int64_t t = 0; t < nk32; t++) memset(pa + t * 512 + i * 32, 0, 64);
+                continue;
+            }
+            const int64_t L = j->context_lens[r0 + i];
+            const float* srow = S + i * width;
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int64_t k0 = 0; k0 < L; k0 += 16) {
+                const __mmask16 live = L - k0 >= 16 ? 0xffff : (__mmask16)((1u << (L - k0)) - 1);
+                mx = _mm512_mask_max_ps(mx, live, mx, _mm512_maskz_loadu_ps(live, srow + k0));
+            }
+            const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t k0 = 0; k0 < width; k0 += 16) {
+                const int64_t left = L - k0;
+                const __mmask16 live = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+                const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpos_avx512(
+                    _mm512_sub_ps(_mm512_maskz_loadu_ps(live, srow + k0), shift)));
+                const __m256i p = to_bf16x16_avx512(e);
+                _mm256_storeu_si256((__m256i*)(pa + (k0 / 32) * 512 + i * 32 + k0 % 32), p);
+                sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(p), 16)));
+            }
+            den[i] = _mm512_reduce_add_ps(sum);
+        }
+        for (int64_t g0 = 0; g0 < D / 16; g0 += 4) {  /* O = P V, four 16-dim groups at a time */
+            const int64_t groups = D / 16 - g0 < 4 ? D / 16 - g0 : 4;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t t = 0; t < nk32; t++) {
+                _tile_loadd(4, pa + t * 512, 64);
+                KVQ_PV(0, 5);
+                if (groups > 1) KVQ_PV(1, 6);
+                if (groups > 2) KVQ_PV(2, 5);
+                if (groups > 3) KVQ_PV(3, 6);
+            }
+            for (int64_t c = 0; c < groups; c++) {
+                switch (c) {
+                    case 0: _tile_stored(0, o, 64); break;
+                    case 1: _tile_stored(1, o, 64); break;
+                    case 2: _tile_stored(2, o, 64); break;
+                    default: _tile_stored(3, o, 64); break;
+                }
+                for (int64_t i = 0; i < n; i++) {
+                    const int64_t at = (r0 + i) * j->H * D + h * D + 16 * (g0 + c);
+                    const __m512 v = _mm512_div_ps(_mm512_load_ps(o[i]), _mm512_set1_ps(den[i]));
+                    if (j->dtype == KVQ_BF16) _mm256_storeu_si256((__m256i*)((uint16_t*)j->out + at), to_bf16x16_avx512(v));
+                    else _mm512_storeu_ps((float*)j->out + at, v);
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+#undef KVQ_PV
+
+/* Whether rows a and b are one sequence's (the same blocks: rows of two
+ * sequences that share a cached prefix are not). */
+static int same_blocks(const int64_t* block_table, int64_t max_blocks, int64_t a, int64_t b) {
+    return memcmp(block_table + a * max_blocks, block_table + b * max_blocks, (size_t)max_blocks * 8) == 0;
+}
+
+/* Whether prompt_attention runs this head shape here. */
+static int prompt_attention_takes(int64_t D) {
+    return kvq_has_amx_bf16() && !g_force_scalar && D % 16 == 0 && D <= KVQ_MAX_D;
+}
+
+/* Rows r0..B-1 of kvq_decode_attention's arguments (the output row r at
+ * out + r * H * D); 0, or -1 where scratch could not be had (then some rows
+ * may be unwritten). */
+static int prompt_attention(const void* q, int dtype, int64_t ldq, const void* cache, int cache_dtype,
+                            const int64_t* block_table, int64_t max_blocks, const int64_t* context_lens,
+                            int64_t block_size, int64_t r0, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                            float scale, void* out, int num_threads) {
+    static __thread void *seq_buf = NULL, *item_buf = NULL, *pack_buf = NULL;
+    static __thread int64_t seq_cap = 0, item_cap = 0, pack_cap = 0;
+    const int64_t DP = (D + 31) / 32 * 32, rows = B - r0;
+    prompt_seq* seqs = grown(&seq_buf, &seq_cap, rows * (int64_t)sizeof(prompt_seq));
+    if (seqs == NULL) return -1;
+    int64_t num_seqs = 0, pack_elems = 0, num_pack = 0, num_attend = 0;
+    for (int64_t r = r0; r < B;) {
+        int64_t end = r + 1, L = context_lens[r];
+        while (end < B && same_blocks(block_table, max_blocks, end - 1, end)) {
+            L = context_lens[end] > L ? context_lens[end] : L;
+            end++;
+        }
+        seqs[num_seqs++] = (prompt_seq){r, end, L, pack_elems};
+        pack_elems += Hkv * head_pack_elems(L, D, DP);
+        num_pack += Hkv * ((L + 31) / 32);
+        num_attend += Hkv * ((end - r + 15) / 16);
+        r = end;
+    }
+    prompt_item* items = grown(&item_buf, &item_cap, (num_pack + num_attend) * (int64_t)sizeof(prompt_item));
+    uint16_t* packs = grown(&pack_buf, &pack_cap, pack_elems * 2);
+    if (items == NULL || packs == NULL) return -1;
+    int64_t count = 0;
+    for (int64_t s = 0; s < num_seqs; s++)
+        for (int64_t kvh = 0; kvh < Hkv; kvh++)
+            for (int64_t t = 0; t < (seqs[s].L + 31) / 32; t++) items[count++] = (prompt_item){(int32_t)s, (int32_t)kvh, (int32_t)t, 0};
+    /* Attend items, the last rows (the longest contexts) first: the threads end together. */
+    for (int64_t s = 0; s < num_seqs; s++)
+        for (int64_t end = seqs[s].r1; end > seqs[s].r0;) {
+            const int64_t start = end - 16 > seqs[s].r0 ? end - 16 : seqs[s].r0;
+            for (int64_t kvh = 0; kvh < Hkv; kvh++)
+                items[count++] = (prompt_item){(int32_t)s, (int32_t)kvh, (int32_t)start, (int32_t)end};
+            end = start;
+        }
+    int failed = 0;
+    prompt_job j = {q, dtype, ldq, (const char*)cache, cache_dtype, block_table, context_lens, max_blocks, block_size,
+                    H, Hkv, D, DP, scale, out, seqs, items, packs, &failed};
+    parallel_chunks(num_threads, num_pack, prompt_pack_chunk, &j);
+    j.items = items + num_pack;
+    parallel_chunks(num_threads, num_attend, prompt_attend_chunk, &j);
+    return failed ? -1 : 0;
+}
+#endif
+
+/* prompt_from: rows from it on are a prompt's positions (the rows the
+ * bfloat16 prompt tiles take; B: none), which attend on AMX-BF16 where the
+ * CPU has it (prompt_attention), the others row by row.
+ * 0 when the shapes fit the kernel's fixed buffers, else -1 (nothing written;
+ * also where the prompt rows' scratch could not be had). */
 int kvq_decode_attention(const void* q, int dtype, int64_t ldq, const void* cache, int cache_dtype,
                          const int64_t* block_table, int64_t max_blocks, const int64_t* context_lens,
                          int64_t block_size, int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale, void* out,
-                         int num_threads) {
+                         int num_threads, int64_t prompt_from) {
     if (H / Hkv > KVQ_MAX_GROUP || D > KVQ_MAX_D) return -1;
+#ifdef KVQ_X86
+    prompt_from = prompt_from < 0 ? 0 : prompt_from;
+    if (prompt_from < B && prompt_attention_takes(D)) {
+        if (prompt_attention(q, dtype, ldq, cache, cache_dtype, block_table, max_blocks, context_lens, block_size,
+                             prompt_from, B, H, Hkv, D, scale, out, num_threads)) return -1;
+        B = prompt_from;
+        if (B == 0) return 0;
+    }
+#else
+    (void)prompt_from;
+#endif
     attention_item* items = NULL;
     const int64_t num_items = attention_items(block_table, max_blocks, B, H, Hkv, D, num_threads, &items);
     if (num_items < 0) return -1;
@@ -2400,7 +2675,8 @@ int kvq_decode_layers(const kvq_layer* layers, int64_t num_layers, void* residua
         kvq_rope_write_kv(qkv, dtype, T, nqkv, positions, cos, sin, slots, ly->kv_cache, cache_dtype, H, Hkv, D,
                           num_threads);
         if ((status = kvq_decode_attention(qkv, dtype, nqkv, ly->kv_cache, cache_dtype, block_table, max_blocks,
-                                           context_lens, block_size, T, H, Hkv, D, scale, attn, num_threads))) break;
+                                           context_lens, block_size, T, H, Hkv, D, scale, attn, num_threads,
+                                           bf16_from))) break;
         if ((status = split_matmul(ly->o_type, ly->o, ly->o_bf16, bf16_from, hidden, H * D, attn, dtype, H * D,
                                    KVQ_X_PLAIN, NULL, 0.f, T, residual, dtype, hidden, residual, dtype, hidden,
                                    num_threads))) break;

@@ -291,7 +291,7 @@ def test_attention_rows_sharing_a_work_item_get_the_bits_they_get_alone(isa, dty
         out = torch.empty(count, h * d, dtype=dtype)
         assert lib.kvq_decode_attention(q[first].data_ptr(), act, q.stride(0), cache.data_ptr(), act,
                                         table[first].data_ptr(), table.shape[1], lens[first].data_ptr(), block_size,
-                                        count, h, hkv, d, 0.2, out.data_ptr(), 2) == 0
+                                        count, h, hkv, d, 0.2, out.data_ptr(), 2, count) == 0
         return out
 
     together = attend(0, rows)
@@ -418,6 +418,109 @@ def test_prompt_tiles_take_only_the_rows_from_bf16_from():
     weight.matmul(wide[:, 10:74], out=out[:, 5:45], bf16_from=7)
     expected = weight.matmul(wide[:, 10:74].contiguous(), out_dtype=torch.bfloat16, bf16_from=7)
     assert torch.equal(out[:, 5:45], expected) and not out[:, :5].any() and not out[:, 45:].any()
+
+
+def _prompt_step(block_size: int, shapes: list, prompt_lens: list, blocks: list):
+    """A step's rows as the runner builds them with prompt tiles: (block table,
+    context lengths, bf16_rows_from), prompt positions last."""
+    from types import SimpleNamespace
+
+    from kvserve.runner.step_batch import build_step_batch
+    from kvserve.scheduler.scheduler import ScheduledChunk
+
+    chunks = [ScheduledChunk(SimpleNamespace(num_prompt_tokens=length, token_ids_slice=lambda s, e: [1] * (e - s)),
+                             start, n, b, True) for (start, n), b, length in zip(shapes, blocks, prompt_lens)]
+    meta = build_step_batch(chunks, block_size, torch.device("cpu"), prompt_rows_last=True).meta
+    table, lens = meta.decode_rows()
+    return table, lens, meta.bf16_rows_from
+
+
+def _attend(q, cache, table, lens, block_size, h, hkv, d, first, count, prompt_from, scale=0.2):
+    """kvq_decode_attention over rows first .. first + count - 1."""
+    lib = quantized.require_kernels()
+    out = torch.empty(count, h * d, dtype=q.dtype)
+    kinds = {torch.float32: 0, torch.bfloat16: 1}
+    assert lib.kvq_decode_attention(q[first].data_ptr(), kinds[q.dtype], q.stride(0), cache.data_ptr(),
+                                    kinds[cache.dtype], table[first].data_ptr(), table.shape[1],
+                                    lens[first].data_ptr(), block_size, count, h, hkv, d, scale, out.data_ptr(), 2,
+                                    prompt_from) == 0
+    return out
+
+
+# A fresh 203-token prompt (seven 32-key tiles), a 6-token chunk after 9 cached
+# positions, two sequences whose first blocks are one cached prefix (rows of
+# different sequences side by side, each with its own later blocks), a decode
+# row, and a recomputed row past its prompt (both row by row).
+PROMPT_STEP = dict(shapes=[(0, 203), (9, 6), (8, 13), (8, 10), (70, 1), (22, 4)],
+                   prompt_lens=[203, 15, 21, 18, 20, 24])
+
+
+def _prompt_step_blocks() -> list:
+    order = torch.randperm(100, generator=torch.Generator().manual_seed(2)).tolist()  # scattered blocks
+    shared = order[60:62]  # two 4-slot blocks: 8 cached positions
+    return [order[:51], order[51:55], shared + order[62:66], shared + order[66:69], order[69:87], order[87:94]]
+
+
+@needs_prompt_tiles
+@pytest.mark.parametrize("dtype, cache_dtype", DTYPE_PAIRS)
+@pytest.mark.parametrize("d, h, hkv", [(64, 9, 3), (16, 4, 2), (48, 6, 2), (128, 8, 2)])
+def test_prompt_rows_attend_on_bfloat16_tiles_as_the_rounded_reference(dtype, cache_dtype, d, h, hkv):
+    """Rows from prompt_from on (a step's prompt positions) attend on AMX-BF16:
+    q * scale, K, V and the softmax numerators P rounded to bfloat16, sums in
+    float32. Each output is that reference, computed in float64, within what
+    one bfloat16 step of each P (the kernel's exp may round the other way)
+    and float32 sums allow. The other rows stay on the row kernel (float32)."""
+    block_size = 4
+    table, lens, prompt_from = _prompt_step(block_size, blocks=_prompt_step_blocks(), **PROMPT_STEP)
+    rows = int(lens.numel())
+    assert 0 < prompt_from < rows - 200
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(100 * block_size, 2, hkv, d, generator=gen).to(cache_dtype)
+    q = (torch.randn(rows, h * d, generator=gen) * 2).to(dtype)
+    out = _attend(q, cache, table, lens, block_size, h, hkv, d, 0, rows, prompt_from).double()
+    by_rows = _attend(q, cache, table, lens, block_size, h, hkv, d, 0, rows, rows).double()  # no prompt rows
+
+    def bf16(x: torch.Tensor) -> torch.Tensor:
+        return x.float().bfloat16().double()
+
+    for r in range(rows):
+        n, blocks = int(lens[r]), table[r]
+        slots = torch.tensor([int(blocks[p // block_size]) * block_size + p % block_size for p in range(n)])
+        k, v = cache[slots, 0].double().transpose(0, 1), cache[slots, 1].double().transpose(0, 1)  # [Hkv, n, D]
+        qr = q[r].double().view(hkv, h // hkv, d)
+        if r < prompt_from:
+            expected = torch.softmax(qr @ k.transpose(1, 2) * 0.2, dim=-1) @ v
+            tolerance = 1e-5 if dtype == torch.float32 else 1e-2 * float(expected.abs().max())
+            assert (out[r] - expected.reshape(-1)).abs().max() <= tolerance, f"row {r}"
+            continue
+        scores = bf16(qr.float() * 0.2) @ bf16(k).transpose(1, 2)
+        p = bf16(torch.exp(scores - scores.amax(dim=-1, keepdim=True)))
+        expected = (p @ bf16(v)) / p.sum(dim=-1, keepdim=True)
+        slack = (p @ bf16(v).abs()) / p.sum(dim=-1, keepdim=True) * 2 ** -8 + 1e-5  # one bf16 step of a P
+        if dtype == torch.bfloat16:
+            slack = slack + expected.abs() * 2 ** -8  # the output's own rounding
+        assert ((out[r] - expected.reshape(-1)).abs() <= slack.reshape(-1)).all(), f"row {r} (context {n})"
+    assert not torch.equal(out[prompt_from:], by_rows[prompt_from:])  # they did take the tiles
+
+
+@needs_prompt_tiles
+def test_prompt_rows_attend_the_same_whichever_rows_share_their_tiles():
+    """A prompt row's output depends on its own query, context and the cache,
+    not on which rows share its 16-row tile or its call: each row alone, the
+    rows in chunks of odd sizes and all rows in one call agree bit for bit
+    (prefill chunks of any budget, alone or beside other requests)."""
+    block_size, h, hkv, d = 4, 9, 3, 64
+    table, lens, prompt_from = _prompt_step(block_size, blocks=_prompt_step_blocks(), **PROMPT_STEP)
+    rows = int(lens.numel())
+    gen = torch.Generator().manual_seed(4)
+    cache = torch.randn(100 * block_size, 2, hkv, d, generator=gen).to(torch.bfloat16)
+    q = torch.randn(rows, h * d, generator=gen)
+    together = _attend(q, cache, table, lens, block_size, h, hkv, d, 0, rows, prompt_from)
+    for size in (1, 7, 16, 23):
+        for first in range(prompt_from, rows, size):
+            count = min(size, rows - first)
+            part = _attend(q, cache, table, lens, block_size, h, hkv, d, first, count, 0)
+            assert torch.equal(part, together[first:first + count]), f"rows {first}..{first + count - 1}"
 
 
 @needs_prompt_tiles

@@ -157,7 +157,8 @@ def native_attention(qkv: Tensor, kv_cache: Tensor, cos: Tensor, sin: Tensor, me
         status = lib.kvq_decode_attention(qkv.data_ptr(), dtype, qkv.stride(0), kv_cache.data_ptr(), cache_dtype,
                                           block_table.data_ptr(), block_table.shape[1],
                                           context_lens.data_ptr(), meta.block_size, num_tokens,
-                                          h, hkv, d, scale, out.data_ptr(), kernel_threads())
+                                          h, hkv, d, scale, out.data_ptr(), kernel_threads(),
+                                          num_tokens if meta.bf16_rows_from is None else meta.bf16_rows_from)
         if status == 0:
             return out  # else: a head shape past the kernel's buffers: SDPA below
     q = qkv[:, :h * d].view(num_tokens, h, d)

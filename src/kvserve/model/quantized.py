@@ -69,7 +69,7 @@ def _library() -> ctypes.CDLL | None:
     lib.kvq_rope_write_kv.argtypes = [ptr, i32, i64, i64, ptr, ptr, ptr, ptr, ptr, i32, i64, i64, i64, i32]
     lib.kvq_rope_write_kv.restype = None
     lib.kvq_decode_attention.argtypes = [ptr, i32, i64, ptr, i32, ptr, i64, ptr, i64, i64, i64, i64, i64, f32,
-                                         ptr, i32]
+                                         ptr, i32, i64]
     lib.kvq_decode_attention.restype = i32
     lib.kvq_dequantize_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32, i32]
     lib.kvq_dequantize_rows.restype = None

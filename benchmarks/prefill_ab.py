@@ -9,6 +9,10 @@ hits) and engine steps until the request has its first output token. With
 
     .venv/bin/python benchmarks/prefill_ab.py --old /tmp/old_tree [--new .] [--prompts 256 2000]
         [--rounds 5] [--threads 2] [--decode-steps 32]
+    .venv/bin/python benchmarks/prefill_ab.py --old . --old-engine '{"prefill_weights": "none"}'
+
+--old-engine / --new-engine: EngineConfig fields (JSON) for that side's
+engine, so one tree can be compared with itself under two settings.
 
 A tree is a checkout with src/kvserve and its built _kvq.so; both run on this
 tree's .venv. Prints min and median TTFT per tree and prompt length, and the
@@ -30,12 +34,12 @@ from tree_ab import default_model_core, start_worker, timed_decode_steps
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def worker(threads: int) -> int:
+def worker(threads: int, engine_fields: dict) -> int:
     """Reads prompt lengths on stdin, answers each with its TTFT in seconds; a
     negative length -n: the median of n decode steps after a 128-token prompt."""
     from kvserve.contract import SamplingParams
 
-    core = default_model_core(threads)
+    core = default_model_core(threads, **engine_fields)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     print("ready", flush=True)
     for serial, line in enumerate(sys.stdin):
@@ -68,14 +72,19 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="prefills per tree and prompt length")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--decode-steps", type=int, default=0, help="also time batch-1 decode steps")
+    parser.add_argument("--old-engine", default="{}", help="EngineConfig fields of the old side (JSON)")
+    parser.add_argument("--new-engine", default="{}", help="EngineConfig fields of the new side (JSON)")
+    parser.add_argument("--engine", default="{}", help=argparse.SUPPRESS)  # a worker's own
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prefill_ab.json"))
     args = parser.parse_args()
     if args.worker:
-        return worker(args.threads)
+        return worker(args.threads, json.loads(args.engine))
     if not args.old:
         parser.error("--old is required")
     trees = {"old": Path(args.old).resolve(), "new": Path(args.new).resolve()}
-    workers = {name: start_worker(__file__, tree, "--threads", str(args.threads)) for name, tree in trees.items()}
+    engines = {"old": args.old_engine, "new": args.new_engine}
+    workers = {name: start_worker(__file__, tree, "--threads", str(args.threads), "--engine", engines[name])
+               for name, tree in trees.items()}
     lengths = list(args.prompts) + ([-args.decode_steps] if args.decode_steps else [])
     ttft = {(name, length): [] for name in trees for length in lengths}  # seconds; < 0: decode steps
     try:
@@ -105,6 +114,8 @@ def main() -> int:
     print(f"\n{args.threads} threads; load average {load_avg[0]:.2f} {load_avg[1]:.2f} {load_avg[2]:.2f}")
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "threads": args.threads,
                                           "old": str(trees["old"]), "new": str(trees["new"]),
+                                          "old_engine": json.loads(args.old_engine),
+                                          "new_engine": json.loads(args.new_engine),
                                           "load_average": load_avg, "results": rows}, indent=1))
     return 0
 

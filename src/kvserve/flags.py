@@ -57,11 +57,11 @@ def add_model_arguments(group: ArgumentTarget) -> None:
                             "at load (Q4 keeps the embedding table in Q8_0). A speculative draft model is computed the same way")
     group.add_argument("--prefill-weights", default="auto", choices=PREFILL_WEIGHTS_CHOICES,
                        help="what a quantized model computes prompt positions on: auto = a bfloat16 copy of each "
-                            "layer's matrices on the AMX-BF16 tiles where the CPU has them and the copy takes at "
-                            "most 1 GiB (prefill ~1.3x faster; +2 bytes per layer weight resident, reported at "
-                            "start-up), else the quantized kernels; bf16 = that copy whatever its size, or refuse "
-                            "to start; none = the quantized kernels, as decode. Generated tokens always take the "
-                            "quantized kernels")
+                            "layer's matrices on the AMX-BF16 tiles, and the prompt's attention on them too, where "
+                            "the CPU has them and the copy takes at most 1 GiB (prefill ~1.7x faster; +2 bytes per "
+                            "layer weight resident, reported at start-up), else the quantized kernels; bf16 = that "
+                            "copy whatever its size, or refuse to start; none = the quantized kernels and row-by-row "
+                            "attention, as decode. Generated tokens always take the quantized kernels")
     group.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
 
 

@@ -51,8 +51,10 @@ class AttentionMetadata:
                    are block_table's)
     bf16_rows_from: the first of the rows that are prompt positions, all of
                    them put last (build_step_batch's prompt_rows_last), for a
-                   model whose quantized matmuls hold bfloat16 prompt tiles;
-                   None: rows in chunk order, every row computed alike
+                   model whose quantized matmuls hold bfloat16 prompt tiles:
+                   those rows take the tiles, and attend on AMX-BF16 in the
+                   native kernel; None: rows in chunk order, every row
+                   computed alike
     """
 
     positions: Tensor
@@ -142,7 +144,8 @@ def native_attention(qkv: Tensor, kv_cache: Tensor, cos: Tensor, sin: Tensor, me
     prefill chunks or drafts (`decode_rows`). That replaced SDPA over a
     gathered, padded, masked context for prefill, which cost as much as the
     step's matmuls on a 256-token prompt; SDPA remains for head shapes past
-    the kernel's buffers."""
+    the kernel's buffers. Rows from meta.bf16_rows_from on (a prompt's
+    positions, with prompt tiles) attend on AMX-BF16 tiles in the kernel."""
     lib = require_kernels()
     dtype, cache_dtype = activation_type(qkv.dtype), activation_type(kv_cache.dtype)
     num_tokens = qkv.shape[0]

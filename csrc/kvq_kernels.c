@@ -293,6 +293,16 @@ static void parallel_chunks(int num_threads, int64_t num_chunks, chunk_fn fn, co
     pthread_mutex_unlock(&g_caller);
 }
 
+/* A thread's buffer of at least num_bytes (64-byte aligned), grown as needed and kept. */
+static void* grown(void** buffer, int64_t* capacity, int64_t num_bytes) {
+    if (num_bytes > *capacity) {
+        free(*buffer);
+        *buffer = aligned_alloc(64, (size_t)((num_bytes + 63) / 64 * 64));
+        *capacity = *buffer ? num_bytes : 0;
+    }
+    return *buffer;
+}
+
 /* ---- activation quantization -------------------------------------------- */
 
 static void quantize_row_scalar(const void* x, int xtype, int64_t K, int8_t* q, float* d, float* s) {
@@ -1071,14 +1081,9 @@ static void store_tile_sums(void* y, int ytype, int64_t ldy, const void* add, in
 
 /* Scratch for a chunk's unpacked weights: one buffer per thread, grown as needed and kept. */
 static uint8_t* amx_scratch_for(int64_t num_bytes) {
-    static __thread uint8_t* buffer = NULL;
+    static __thread void* buffer = NULL;
     static __thread int64_t capacity = 0;
-    if (num_bytes > capacity) {
-        free(buffer);
-        buffer = aligned_alloc(64, (size_t)((num_bytes + 63) / 64 * 64));
-        capacity = buffer ? num_bytes : 0;
-    }
-    return buffer;
+    return grown(&buffer, &capacity, num_bytes);
 }
 
 /* matmul_chunk on the tiles: its groups unpacked once (pairs of 16 weight
@@ -1143,14 +1148,9 @@ static void matmul_chunk(const void* ctx, int64_t chunk) {
 /* Scratch for the quantized activations: one buffer per calling thread, grown
  * as needed and kept (no allocation per call). */
 static uint8_t* scratch_for(int64_t num_bytes) {
-    static __thread uint8_t* buffer = NULL;
+    static __thread void* buffer = NULL;
     static __thread int64_t capacity = 0;
-    if (num_bytes > capacity) {
-        free(buffer);
-        buffer = malloc((size_t)num_bytes);
-        capacity = buffer ? num_bytes : 0;
-    }
-    return buffer;
+    return grown(&buffer, &capacity, num_bytes);
 }
 
 /* y[m, n] = sum_k x[m, k] * W[n, k] (+ add[m, n]) for m < M, n < N.
@@ -1362,6 +1362,29 @@ typedef struct {
     int cache_dtype; int64_t H, Hkv, D;
 } rope_job;
 
+#ifdef KVQ_X86
+/* One float32 head of D (half % 8 == 0) rotated in place, 8 lanes at a time:
+ * the portable loop's products and sum, op for op, so the same bits. Built
+ * without "fma": GCC would fuse the multiply and the add into one rounding. */
+__attribute__((target("avx2")))
+static void rope_head_avx2(float* x, const float* c, const float* s, int64_t half) {
+    for (int64_t i = 0; i < half; i += 8) {
+        const __m256 lo = _mm256_loadu_ps(x + i), hi = _mm256_loadu_ps(x + half + i);
+        _mm256_storeu_ps(x + i, _mm256_sub_ps(_mm256_mul_ps(lo, _mm256_loadu_ps(c + i)),
+                                              _mm256_mul_ps(hi, _mm256_loadu_ps(s + i))));
+        _mm256_storeu_ps(x + half + i, _mm256_add_ps(_mm256_mul_ps(hi, _mm256_loadu_ps(c + half + i)),
+                                                     _mm256_mul_ps(lo, _mm256_loadu_ps(s + half + i))));
+    }
+}
+
+/* n (a multiple of 16) float32 values rounded to bfloat16 as f32_to_bf16 does. */
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
+static void to_bf16_avx512(const float* src, uint16_t* dst, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16)
+        _mm256_storeu_si256((__m256i*)(dst + i), to_bf16x16_avx512(_mm512_loadu_ps(src + i)));
+}
+#endif
+
 static void rope_token(const void* ctx, int64_t t) {
     const rope_job* j = ctx;
     void* qkv = j->qkv;
@@ -1371,8 +1394,15 @@ static void rope_token(const void* ctx, int64_t t) {
     const void *cos = j->cos, *sin = j->sin;
     void* cache = j->cache;
     const int64_t pos = j->positions[t];
+    const int isa = matmul_isa();
     for (int64_t head = 0; head < H + Hkv; head++) {
         const int64_t base = t * ldq + head * D;
+#ifdef KVQ_X86
+        if (isa >= 2 && dtype == KVQ_F32 && half % 8 == 0) {
+            rope_head_avx2((float*)qkv + base, (const float*)cos + pos * D, (const float*)sin + pos * D, half);
+            continue;
+        }
+#endif
         float x[D];
         for (int64_t i = 0; i < D; i++) x[i] = load_x(qkv, dtype, base + i);
         for (int64_t i = 0; i < D; i++) {
@@ -1388,6 +1418,12 @@ static void rope_token(const void* ctx, int64_t t) {
         memcpy(dst, src, (size_t)2 * Hkv * D * esz);  /* k then v, as the cache's [2, Hkv, D] */
         return;
     }
+#ifdef KVQ_X86
+    if (isa == 3 && dtype == KVQ_F32 && (2 * Hkv * D) % 16 == 0) {  /* float32 K/V into a bfloat16 cache */
+        to_bf16_avx512((const float*)src, (uint16_t*)dst, 2 * Hkv * D);
+        return;
+    }
+#endif
     for (int64_t i = 0; i < 2 * Hkv * D; i++) store_y(dst, j->cache_dtype, i, load_x(src, dtype, i));
 }
 
@@ -1997,14 +2033,10 @@ static int same_sequence(const int64_t* block_table, int64_t max_blocks, int64_t
  * one item per head. Returns the count, or -1 when the scratch cannot be had. */
 static int64_t attention_items(const int64_t* block_table, int64_t max_blocks, int64_t B, int64_t H, int64_t Hkv,
                                int64_t D, int num_threads, attention_item** out) {
-    static __thread attention_item* buffer = NULL;
+    static __thread void* scratch = NULL;
     static __thread int64_t capacity = 0;
-    if (B * Hkv > capacity) {
-        free(buffer);
-        buffer = malloc((size_t)(B * Hkv) * sizeof(attention_item));
-        capacity = buffer ? B * Hkv : 0;
-        if (buffer == NULL) return -1;
-    }
+    attention_item* buffer = grown(&scratch, &capacity, B * Hkv * (int64_t)sizeof(attention_item));
+    if (buffer == NULL && B * Hkv > 0) return -1;
     const int64_t threads = num_threads > 1 ? num_threads : 1, width = H / Hkv * D;
     const int64_t fit = KVQ_MAX_GROUP * KVQ_MAX_D / width;  /* rows (or heads) the buffers hold */
     int64_t alone = 0;
@@ -2056,16 +2088,6 @@ static int64_t attention_items(const int64_t* block_table, int64_t max_blocks, i
  * prompt tiles' activations already are); scores and sums stay float32. */
 
 #ifdef KVQ_X86
-/* A thread's buffer of at least num_bytes (64-byte aligned), grown as needed and kept. */
-static void* grown(void** buffer, int64_t* capacity, int64_t num_bytes) {
-    if (num_bytes > *capacity) {
-        free(*buffer);
-        *buffer = aligned_alloc(64, (size_t)((num_bytes + 63) / 64 * 64));
-        *capacity = *buffer ? num_bytes : 0;
-    }
-    return *buffer;
-}
-
 /* Rows r0..r1-1 of one sequence; L its longest context; pack: where its
  * heads' packs start (uint16 elements), each head's K tiles then V tiles. */
 typedef struct { int64_t r0, r1, L, pack; } prompt_seq;

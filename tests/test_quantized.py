@@ -259,6 +259,43 @@ def test_steps_with_several_tokens_per_sequence_attend_causally_like_sdpa(isa, d
     torch.testing.assert_close(native.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype, cache_dtype", DTYPE_PAIRS)
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_native_rope_and_kv_write_match_the_torch_path(isa, dtype, cache_dtype, d):
+    """kvq_rope_write_kv rotates q and k in place as model/llama.apply_rope
+    does (float32: bit for bit on every code path) and writes each token's
+    k and v at its slot, rounded to the cache's dtype as torch casts."""
+    from kvserve.model.llama import apply_rope
+
+    h, hkv, tokens = 6, 2, 37
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(tokens, (h + 2 * hkv) * d, generator=gen).to(dtype)
+    angles = torch.rand(90, d // 2, generator=gen) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), dim=-1).to(dtype)
+    positions = torch.randperm(90, generator=gen)[:tokens]
+    slots = torch.randperm(64, generator=gen)[:tokens]
+    cache = torch.zeros(64, 2, hkv, d, dtype=cache_dtype)
+    out = qkv.clone()
+    lib = quantized.require_kernels()
+    kinds = {torch.float32: 0, torch.bfloat16: 1}
+    lib.kvq_rope_write_kv(out.data_ptr(), kinds[dtype], tokens, out.stride(0), positions.data_ptr(), cos.data_ptr(),
+                          sin.data_ptr(), slots.data_ptr(), cache.data_ptr(), kinds[cache_dtype], h, hkv, d, 2)
+    qk = qkv[:, :(h + hkv) * d].view(tokens, h + hkv, d)
+    expected = apply_rope(qk.float(), cos[positions].float()[:, None], sin[positions].float()[:, None]).to(dtype)
+    got = out[:, :(h + hkv) * d].view(tokens, h + hkv, d)
+    if dtype == torch.float32:
+        assert torch.equal(got, expected)
+    else:  # bfloat16 in and out: one rounding of the float32 result, where torch rounds each op
+        torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(out[:, (h + hkv) * d:], qkv[:, (h + hkv) * d:])  # v untouched
+    k, v = got[:, h:], qkv[:, (h + hkv) * d:].view(tokens, hkv, d)
+    assert torch.equal(cache[slots, 0], k.to(cache_dtype)) and torch.equal(cache[slots, 1], v.to(cache_dtype))
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots] = False
+    assert not cache[untouched].any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_attention_rows_sharing_a_work_item_get_the_bits_they_get_alone(isa, dtype, d):

@@ -1736,58 +1736,6 @@ KVQ_AVX512 __m512 dots16_avx512(const float* qg, const char* const* krow, int dt
     return hsum16x16_avx512(acc);
 }
 
-/* 32 elements of a bfloat16 cache row at i as two float vectors, with no
- * shuffle: a dword holds elements 2m (its low half) and 2m + 1 (its high
- * half), so the even elements are the dwords shifted up and the odd ones the
- * dwords masked. Decode attention over a bfloat16 cache works in this
- * "paired" order: within each 32 elements, the 16 even ones then the 16 odd
- * ones. The query is put in that order as it is scaled and the output back
- * in element order as it is written (attend_chunk); a dot product and an
- * output element only sum in another order. The cvtepu16 widening it
- * replaces ran on the port the FMAs need: the kernel was bound by those
- * ports, not by the cache's bytes, at 20 rows of ~300 positions. */
-KVQ_AVX512 void bf16_pairs_avx512(const char* row, int64_t i, __m512* even, __m512* odd) {
-    const __m512i w = _mm512_loadu_si512((const void*)((const uint16_t*)row + i));
-    *even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-    *odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));
-}
-
-/* Scores of NH query heads (qp: their paired-order rows, D apart) against
- * keys krow[0..15] of a bfloat16 cache (D % 32 == 0): each key row loaded
- * once for all NH heads. */
-KVQ_AVX512 void dots16_paired_avx512(const float* qp, const char* const* krow, int64_t D, __m512* s, const int NH) {
-    __m512 acc[3][16];
-    for (int t = 0; t < 16; t++) {
-        __m512 a[3] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int64_t i = 0; i < D; i += 32) {
-            __m512 even, odd;
-            bf16_pairs_avx512(krow[t], i, &even, &odd);
-            for (int h = 0; h < NH; h++) {
-                a[h] = _mm512_fmadd_ps(even, _mm512_loadu_ps(qp + h * D + i), a[h]);
-                a[h] = _mm512_fmadd_ps(odd, _mm512_loadu_ps(qp + h * D + i + 16), a[h]);
-            }
-        }
-        for (int h = 0; h < NH; h++) acc[h][t] = a[h];
-    }
-    for (int h = 0; h < NH; h++) s[h] = hsum16x16_avx512(acc[h]);
-}
-
-/* Row q of D elements into the paired order (dtype BF16) or as it is. */
-static void to_paired(float* q, int64_t D) {
-    float tmp[KVQ_MAX_D];
-    memcpy(tmp, q, (size_t)D * sizeof(float));
-    for (int64_t c = 0; c < D; c += 32)
-        for (int64_t t = 0; t < 16; t++) { q[c + t] = tmp[c + 2 * t]; q[c + 16 + t] = tmp[c + 2 * t + 1]; }
-}
-
-/* The inverse of to_paired. */
-static void from_paired(float* x, int64_t D) {
-    float tmp[KVQ_MAX_D];
-    memcpy(tmp, x, (size_t)D * sizeof(float));
-    for (int64_t c = 0; c < D; c += 32)
-        for (int64_t t = 0; t < 16; t++) { x[c + 2 * t] = tmp[c + t]; x[c + 2 * t + 1] = tmp[c + 16 + t]; }
-}
-
 /* acc[h] = acc[h] * corr[h] + sum_j e[h][j] v[j] over NH heads and the 64
  * output columns at i: the tile's value rows read once for NH heads. */
 KVQ_AVX512 void values_avx512(const float (*sc)[KVQ_TILE], const float* corr, const char* const* vrow, int dtype,
@@ -1797,12 +1745,7 @@ KVQ_AVX512 void values_avx512(const float (*sc)[KVQ_TILE], const float* corr, co
         for (int c = 0; c < 4; c++) a[h][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + i + 16 * c), _mm512_set1_ps(corr[h]));
     for (int64_t j = 0; j < n; j++) {
         __m512 v[4];
-        if (dtype == KVQ_BF16) {  /* the paired order (bf16_pairs_avx512) */
-            bf16_pairs_avx512(vrow[j], i, &v[0], &v[1]);
-            bf16_pairs_avx512(vrow[j], i + 32, &v[2], &v[3]);
-        } else {
-            for (int c = 0; c < 4; c++) v[c] = cache16_avx512(vrow[j], dtype, i + 16 * c);
-        }
+        for (int c = 0; c < 4; c++) v[c] = cache16_avx512(vrow[j], dtype, i + 16 * c);
         for (int h = 0; h < NH; h++) {
             const __m512 e = _mm512_set1_ps(sc[h][j]);
             for (int c = 0; c < 4; c++) a[h][c] = _mm512_fmadd_ps(e, v[c], a[h][c]);
@@ -1827,29 +1770,13 @@ KVQ_AVX512 void attend_tile_avx512_of(const float* qs, int64_t group, int64_t D,
     for (int64_t j = n; j < KVQ_TILE; j++) krow[j] = krow[0];
     for (int64_t j = 0; j < KVQ_TILE; j++) vrow[j] = krow[j] + (size_t)Hkv * D * esz;
     const int64_t halves = (n + 15) / 16;  /* 16-key halves of the tile holding keys */
-    __m512 dots[KVQ_MAX_GROUP][2];
-    if (dtype == KVQ_BF16) {  /* each key row loaded once for up to three heads */
-        for (int64_t g = 0; g < group; g += 3)
-            for (int64_t b = 0; b < halves; b++) {
-                __m512 three[3] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-                switch (group - g < 3 ? group - g : 3) {
-                    case 3: dots16_paired_avx512(qs + g * D, krow + 16 * b, D, three, 3); break;
-                    case 2: dots16_paired_avx512(qs + g * D, krow + 16 * b, D, three, 2); break;
-                    default: dots16_paired_avx512(qs + g * D, krow + 16 * b, D, three, 1); break;
-                }
-                for (int64_t h = 0; h < 3 && g + h < group; h++) dots[g + h][b] = three[h];
-            }
-    } else {
-        for (int64_t g = 0; g < group; g++)
-            for (int64_t b = 0; b < halves; b++) dots[g][b] = dots16_avx512(qs + g * D, krow + 16 * b, dtype, D);
-    }
     for (int64_t g = 0; g < group; g++) {
         __m512 s[2] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY)};
         __mmask16 live[2] = {0, 0};
         for (int64_t b = 0; b < halves; b++) {
             const int64_t keys = n - 16 * b < 16 ? n - 16 * b : 16;
             live[b] = (__mmask16)((1u << keys) - 1);
-            s[b] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live[b], dots[g][b]);
+            s[b] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live[b], dots16_avx512(qs + g * D, krow + 16 * b, dtype, D));
         }
         const float tile_max = fmaxf(st->mx[g], _mm512_reduce_max_ps(_mm512_max_ps(s[0], s[1])));
         const __m512 shift = _mm512_set1_ps(tile_max);
@@ -2000,10 +1927,6 @@ static void attend_chunk(const void* ctx, int64_t index) {
         }
     }
 #ifdef KVQ_X86
-    /* The AVX-512 tiles over a bfloat16 cache work in the paired order (bf16_pairs_avx512). */
-    const int paired = j->isa == 3 && D % 64 == 0 && j->cache_dtype == KVQ_BF16;
-    if (paired)
-        for (int64_t v = 0; v < (r1 - r0) * heads * group; v++) to_paired(qs + v * D, D);
     if (j->isa >= 2 && D % 32 == 0) {
         softmax_state st[KVQ_ATTEND_ROWS];
         const attend_tile_fn tile = j->isa == 3 && D % 64 == 0 ? attend_tile_avx512 : attend_tile_avx2;
@@ -2020,10 +1943,6 @@ static void attend_chunk(const void* ctx, int64_t index) {
             attend_one(qs + ((r - r0) * heads + k) * width, group, D, (const char*)j->cache, j->cache_dtype, j->Hkv,
                        kv0 + k, j->block_table + r * j->max_blocks, j->block_size, j->context_lens[r],
                        acc + ((r - r0) * heads + k) * width);
-#ifdef KVQ_X86
-    if (paired)
-        for (int64_t v = 0; v < (r1 - r0) * heads * group; v++) from_paired(acc + v * D, D);
-#endif
     for (int64_t r = r0; r < r1; r++) {
         const float* ar = acc + (r - r0) * heads * width;
         const int64_t at = r * j->H * D + kv0 * width;

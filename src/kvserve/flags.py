@@ -58,7 +58,7 @@ def add_model_arguments(group: ArgumentTarget) -> None:
     group.add_argument("--prefill-weights", default="auto", choices=PREFILL_WEIGHTS_CHOICES,
                        help="what a quantized model computes prompt positions on: auto = a bfloat16 copy of each "
                             "layer's matrices on the AMX-BF16 tiles, and the prompt's attention on them too, where "
-                            "the CPU has them and the copy takes at most 1 GiB (prefill ~1.7x faster; +2 bytes per "
+                            "the CPU has them and the copy takes at most 1 GiB (prefill 1.6-2.3x faster; +2 bytes per "
                             "layer weight resident, reported at start-up), else the quantized kernels; bf16 = that "
                             "copy whatever its size, or refuse to start; none = the quantized kernels and row-by-row "
                             "attention, as decode. Generated tokens always take the quantized kernels")

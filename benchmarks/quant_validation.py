@@ -32,7 +32,6 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.contract import Request
 from kvserve.model_facts.default_model import default_model_path, file_sha256
-from kvserve.runner.step_batch import build_step_batch
 from kvserve.scheduler.scheduler import ScheduledChunk
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,9 +63,7 @@ def token_logprobs(llm: LLM, tokens: list[int]) -> torch.Tensor:
         chunk = ScheduledChunk(request, 0, len(window), list(range(num_blocks)), samples=True)
         # As the runner builds a step: every row here is a prompt position, so a
         # model with prompt tiles scores the text on them, as it serves prompts.
-        batch = build_step_batch([chunk], runner.block_size, runner.device,
-                                 sdpa_context=not runner.model.attends_natively,
-                                 prompt_rows_last=runner.model.prompt_rows_last and runner.model.attends_natively)
+        batch = runner.step_batch([chunk])
         with torch.inference_mode():
             hidden = runner.model.forward(batch.token_ids, runner.kv_caches, batch.meta)
             logits = runner.model.compute_logits(hidden[:-1])

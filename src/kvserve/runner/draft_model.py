@@ -32,7 +32,6 @@ from kvserve.model.device import resolve_dtype
 from kvserve.model.loader import load_model
 from kvserve.model.sampler import race, row_argmax
 from kvserve.runner.model_runner import ModelRunner, kv_bytes_per_block
-from kvserve.runner.step_batch import build_step_batch
 from kvserve.scheduler.scheduler import ScheduledChunk, Scheduler
 
 DRAFT_STREAM = 1  # Sampler.generator_at stream of the draft's draws
@@ -149,8 +148,7 @@ class DraftModelProposer:
                     q_rows: dict[str, list[Tensor]]) -> list[int]:
         """One forward pass of the draft over `chunks`; one draft token per request."""
         draft = self.draft
-        batch = build_step_batch(chunks, draft.block_size, draft.device,
-                                 sdpa_context=not draft.model.attends_natively)
+        batch = draft.step_batch(chunks)  # a draft has no prompt tiles: rows in chunk order
         hidden = draft.model.forward(batch.token_ids, draft.kv_caches, batch.meta)
         logits = draft.model.compute_logits(hidden.index_select(0, batch.sample_rows))
         tokens = row_argmax(logits).tolist()

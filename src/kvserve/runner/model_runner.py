@@ -25,7 +25,7 @@ from kvserve.model.quantized import prepare_weights, wants_prompt_tiles
 from kvserve.model.sampler import Sampler, SamplerOutput, SamplingState
 from kvserve.runner.decode_graphs import DecodeGraphs
 from kvserve.runner.rejection_sampler import RejectionSampler
-from kvserve.runner.step_batch import build_step_batch
+from kvserve.runner.step_batch import StepBatch, build_step_batch
 
 if TYPE_CHECKING:
     from kvserve.scheduler.scheduler import ScheduledChunk, SchedulerOutput
@@ -240,6 +240,14 @@ class ModelRunner:
         """CUDA graphs captured so far: a step that raised it paid a one-off capture."""
         return 0 if self.decode_graphs is None else self.decode_graphs.num_captured
 
+    def step_batch(self, chunks: Sequence["ScheduledChunk"]) -> StepBatch:
+        """The step's index tensors as this model computes them: no SDPA
+        context where it attends natively, its prompt rows last where it has
+        prompt tiles."""
+        return build_step_batch(chunks, self.block_size, self.device,
+                                sdpa_context=not self.model.attends_natively,
+                                prompt_rows_last=self.model.prompt_rows_last and self.model.attends_natively)
+
     def _execute(self, chunks: Sequence["ScheduledChunk"], sampling_states: Mapping[str, SamplingState] | None,
                  draft_probs: Mapping[str, Tensor] | None,
                  adapters: Mapping[str, LoraAdapter] | None) -> SamplerOutput:
@@ -247,9 +255,7 @@ class ModelRunner:
         if lora is None and self.decode_graphs is not None and self.decode_graphs.accepts(chunks):
             return self.sampler.sample(self.decode_graphs.run(chunks), [c.request for c in chunks],
                                        sampling_states)
-        batch = build_step_batch(chunks, self.block_size, self.device,
-                                 sdpa_context=not self.model.attends_natively,
-                                 prompt_rows_last=self.model.prompt_rows_last and self.model.attends_natively)
+        batch = self.step_batch(chunks)
         hidden = self.model.forward(batch.token_ids, self.kv_caches, batch.meta, lora)
         if not batch.sample_requests:
             return SamplerOutput({}, {})

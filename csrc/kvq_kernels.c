@@ -1382,7 +1382,7 @@ void kvq_dequantize_rows(int wtype, const uint8_t* w, int64_t K, const int64_t* 
  * K/V rounded to nearest even, as torch's cast). */
 typedef struct {
     void* qkv; int dtype; int64_t ldq; const int64_t *positions, *slots; const void *cos, *sin; void* cache;
-    int cache_dtype; int64_t H, Hkv, D;
+    int cache_dtype; int64_t H, Hkv, D; int isa;  /* matmul_isa()'s */
 } rope_job;
 
 #ifdef KVQ_X86
@@ -1417,7 +1417,7 @@ static void rope_token(const void* ctx, int64_t t) {
     const void *cos = j->cos, *sin = j->sin;
     void* cache = j->cache;
     const int64_t pos = j->positions[t];
-    const int isa = matmul_isa();
+    const int isa = j->isa;
     for (int64_t head = 0; head < H + Hkv; head++) {
         const int64_t base = t * ldq + head * D;
 #ifdef KVQ_X86
@@ -1453,7 +1453,7 @@ static void rope_token(const void* ctx, int64_t t) {
 void kvq_rope_write_kv(void* qkv, int dtype, int64_t T, int64_t ldq, const int64_t* positions,
                        const void* cos, const void* sin, const int64_t* slots, void* cache, int cache_dtype,
                        int64_t H, int64_t Hkv, int64_t D, int num_threads) {
-    rope_job j = {qkv, dtype, ldq, positions, slots, cos, sin, cache, cache_dtype, H, Hkv, D};
+    rope_job j = {qkv, dtype, ldq, positions, slots, cos, sin, cache, cache_dtype, H, Hkv, D, matmul_isa()};
     parallel_chunks(T < 32 ? 1 : num_threads, T, rope_token, &j);  /* a decode step's few tokens: no helpers */
 }
 
@@ -2202,9 +2202,9 @@ static int same_blocks(const int64_t* block_table, int64_t max_blocks, int64_t a
     return memcmp(block_table + a * max_blocks, block_table + b * max_blocks, (size_t)max_blocks * 8) == 0;
 }
 
-/* Whether prompt_attention runs this head shape here. */
+/* Whether prompt_attention runs this head shape here (D <= KVQ_MAX_D: the caller checked). */
 static int prompt_attention_takes(int64_t D) {
-    return kvq_has_amx_bf16() && !g_force_scalar && D % 16 == 0 && D <= KVQ_MAX_D;
+    return kvq_has_amx_bf16() && !g_force_scalar && D % 16 == 0;
 }
 
 /* Rows r0..B-1 of kvq_decode_attention's arguments (the output row r at

@@ -277,10 +277,9 @@ def test_native_rope_and_kv_write_match_the_torch_path(isa, dtype, cache_dtype, 
     slots = torch.randperm(64, generator=gen)[:tokens]
     cache = torch.zeros(64, 2, hkv, d, dtype=cache_dtype)
     out = qkv.clone()
-    lib = quantized.require_kernels()
-    kinds = {torch.float32: 0, torch.bfloat16: 1}
-    lib.kvq_rope_write_kv(out.data_ptr(), kinds[dtype], tokens, out.stride(0), positions.data_ptr(), cos.data_ptr(),
-                          sin.data_ptr(), slots.data_ptr(), cache.data_ptr(), kinds[cache_dtype], h, hkv, d, 2)
+    quantized.require_kernels().kvq_rope_write_kv(
+        out.data_ptr(), quantized.activation_type(dtype), tokens, out.stride(0), positions.data_ptr(), cos.data_ptr(),
+        sin.data_ptr(), slots.data_ptr(), cache.data_ptr(), quantized.activation_type(cache_dtype), h, hkv, d, 2)
     qk = qkv[:, :(h + hkv) * d].view(tokens, h + hkv, d)
     expected = apply_rope(qk.float(), cos[positions].float()[:, None], sin[positions].float()[:, None]).to(dtype)
     got = out[:, :(h + hkv) * d].view(tokens, h + hkv, d)
@@ -294,6 +293,18 @@ def test_native_rope_and_kv_write_match_the_torch_path(isa, dtype, cache_dtype, 
     untouched = torch.ones(64, dtype=torch.bool)
     untouched[slots] = False
     assert not cache[untouched].any()
+
+
+def _attend(q, cache, table, lens, block_size, h, hkv, d, first, count, prompt_from, scale=0.2):
+    """kvq_decode_attention over rows first .. first + count - 1 (rows from
+    prompt_from on, counted from first, as a step's prompt rows)."""
+    lib = quantized.require_kernels()
+    out = torch.empty(count, h * d, dtype=q.dtype)
+    assert lib.kvq_decode_attention(q[first].data_ptr(), quantized.activation_type(q.dtype), q.stride(0),
+                                    cache.data_ptr(), quantized.activation_type(cache.dtype), table[first].data_ptr(),
+                                    table.shape[1], lens[first].data_ptr(), block_size, count, h, hkv, d, scale,
+                                    out.data_ptr(), 2, prompt_from) == 0
+    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -321,15 +332,9 @@ def test_attention_rows_sharing_a_work_item_get_the_bits_they_get_alone(isa, dty
     gen = torch.Generator().manual_seed(3)
     cache = torch.randn(64 * block_size, 2, hkv, d, generator=gen).to(dtype)
     q = torch.randn(rows, h * d, generator=gen).to(dtype)
-    lib = quantized.require_kernels()
-    act = 0 if dtype == torch.float32 else 1
 
-    def attend(first: int, count: int) -> torch.Tensor:
-        out = torch.empty(count, h * d, dtype=dtype)
-        assert lib.kvq_decode_attention(q[first].data_ptr(), act, q.stride(0), cache.data_ptr(), act,
-                                        table[first].data_ptr(), table.shape[1], lens[first].data_ptr(), block_size,
-                                        count, h, hkv, d, 0.2, out.data_ptr(), 2, count) == 0
-        return out
+    def attend(first: int, count: int) -> torch.Tensor:  # every row on the row kernel
+        return _attend(q, cache, table, lens, block_size, h, hkv, d, first, count, prompt_from=count)
 
     together = attend(0, rows)
     for row in range(rows):
@@ -470,18 +475,6 @@ def _prompt_step(block_size: int, shapes: list, prompt_lens: list, blocks: list)
     meta = build_step_batch(chunks, block_size, torch.device("cpu"), prompt_rows_last=True).meta
     table, lens = meta.decode_rows()
     return table, lens, meta.bf16_rows_from
-
-
-def _attend(q, cache, table, lens, block_size, h, hkv, d, first, count, prompt_from, scale=0.2):
-    """kvq_decode_attention over rows first .. first + count - 1."""
-    lib = quantized.require_kernels()
-    out = torch.empty(count, h * d, dtype=q.dtype)
-    kinds = {torch.float32: 0, torch.bfloat16: 1}
-    assert lib.kvq_decode_attention(q[first].data_ptr(), kinds[q.dtype], q.stride(0), cache.data_ptr(),
-                                    kinds[cache.dtype], table[first].data_ptr(), table.shape[1],
-                                    lens[first].data_ptr(), block_size, count, h, hkv, d, scale, out.data_ptr(), 2,
-                                    prompt_from) == 0
-    return out
 
 
 # A fresh 203-token prompt (seven 32-key tiles), a 6-token chunk after 9 cached

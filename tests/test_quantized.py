@@ -192,8 +192,8 @@ DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
 
 
 @pytest.mark.parametrize("dtype, cache_dtype", DTYPE_PAIRS)
-@pytest.mark.parametrize("d", HEAD_DIMS)
-@pytest.mark.parametrize("h, hkv", [(6, 2), (10, 2)])  # 3 and 5 query heads per KV head
+@pytest.mark.parametrize("d", HEAD_DIMS + [128])  # 128: a bfloat16 cache's tile in two 64-wide halves
+@pytest.mark.parametrize("h, hkv", [(6, 2), (10, 2)])  # 3 and 5 (4 + 1) query heads per KV head
 def test_decode_attention_reads_paged_cache_like_sdpa(isa, dtype, cache_dtype, d, h, hkv):
     from kvserve.model.attention import AttentionMetadata, native_attention
 

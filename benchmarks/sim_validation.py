@@ -24,7 +24,9 @@
    --target (10%) in at least 4 of 5 repeated runs (--repeats; each repeat
    its own seed), naming the rows that missed; writes OUT/validation.json.
    `--resimulate` redoes step 2's simulations and step 3 against the live
-   runs saved in OUT.
+   runs saved in OUT, the bracketed and calibrated profiles fitted again
+   from the saved before / after profiles' timed steps (a change to the
+   cost model's fit is a change to the simulation).
 
 With --saturation, first the saturation rate itself: a fresh server (no
 prefix cache, as every run of a search must start equal) under `kvserve
@@ -362,6 +364,15 @@ def measure_rate(args: argparse.Namespace, out: Path, run: Run, gguf: str) -> di
         gaps_after = live_decode_gaps_s(base_url, first_probe=4)
         live_step_s = statistics.median(gaps_before + gaps_after)
     after = profile_now(args, out / f"profile_{key}_after.json")
+    return {**fit_profiles(out, key, before, after, live_step_s), "frontend_latency_s": frontend_s,
+            "live_decode_step_s": live_step_s,
+            "live_decode_step_before_s": statistics.median(gaps_before),
+            "live_decode_step_after_s": statistics.median(gaps_after)}
+
+
+def fit_profiles(out: Path, key: str, before: str, after: str, live_step_s: float) -> dict:
+    """Run `key`'s bracketed and calibrated profiles from the profiles timed
+    before and after it; returns their fit's summary."""
     profile = bracket(before, after, out / f"profile_{key}.json")
     _, scale = calibrated(profile, live_step_s, out / f"profile_{key}_calibrated.json")
     profile_doc = json.loads(Path(profile).read_text())
@@ -369,10 +380,7 @@ def measure_rate(args: argparse.Namespace, out: Path, run: Run, gguf: str) -> di
     drift = {k: v for k, v in (profile_doc.get("speed_drift") or {}).items() if k not in ("factors", "about")}
     overhead_s = (profile_doc.get("serving_loop") or {}).get("overhead_per_step_s", 0.0)
     return {**profile_doc["fit"], "step_jitter": jitter, "speed_drift": drift, "serving_overhead_s": overhead_s,
-            "frontend_latency_s": frontend_s,
-            "live_decode_step_s": live_step_s, "calibration_scale": scale,
-            "live_decode_step_before_s": statistics.median(gaps_before),
-            "live_decode_step_after_s": statistics.median(gaps_after)}
+            "calibration_scale": scale}
 
 
 SATURATION_FLAGS = ["--no-prefix-caching"]  # every rate of a search starts equal, as each simulated one does
@@ -481,6 +489,10 @@ def main() -> int:
         for key in ("rates", "num_requests", "workload", "arrival", "slo", "seed", "repeats"):
             setattr(args, key, saved["args"].get(key, getattr(args, key)))
         fits, sat = saved["profile_fits"], saved.get("saturation")
+        for key, fit in fits.items():  # fitted again: the fit may have changed since
+            before, after = (out / f"profile_{key}_{side}.json" for side in ("before", "after"))
+            if before.is_file() and after.is_file():
+                fit.update(fit_profiles(out, key, str(before), str(after), fit["live_decode_step_s"]))
     else:
         rates = [float(r) for r in args.rates.split(",")]
         if args.saturation:

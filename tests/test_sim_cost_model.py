@@ -141,6 +141,51 @@ def test_fit_with_knots_recovers_a_curve_a_line_cannot():
     assert line_stats["mean_abs_rel_error"] > 0.05
 
 
+# kvserve's CPU path: prompt rows on bfloat16 tiles, decode rows on the
+# quantized weights, so a step streams one set of weights per kind of row it
+# has (the 2026-12-06 Xeon: a 1-token prefill 18.6 ms, a 1-sequence decode
+# step 10.4 ms, the two in one step about their sum).
+TWO_PATHS = LinearCostModel(0.0, 0.0, 5e-4, 3e-6, 1e-8, token_knots=(1, 16, 64, 256),
+                            token_knot_s=(0.003, 0.004, 0.014, 0.065), per_prefill_step_s=0.0155,
+                            per_decode_step_s=0.0072)
+
+
+def test_a_step_pays_once_for_prompt_rows_and_once_for_decode_rows():
+    prefill, decode, mixed = StepShape(16, 0, 16, 136), StepShape(0, 4, 400, 400), StepShape(16, 4, 416, 536)
+    m = TWO_PATHS
+    assert m.step_time_s(prefill) == pytest.approx(m.token_curve_s(16) + 3e-6 * 16 + 1e-8 * 136 + 0.0155)
+    assert m.step_time_s(decode) == pytest.approx(m.token_curve_s(4) + 5e-4 * 4 + 3e-6 * 400 + 1e-8 * 400 + 0.0072)
+    assert m.step_time_s(mixed) == pytest.approx(
+        m.token_curve_s(20) + 5e-4 * 4 + 3e-6 * 416 + 1e-8 * 536 + 0.0155 + 0.0072)
+
+
+def test_fit_recovers_what_each_kind_of_row_costs_a_step():
+    samples = [(s, TWO_PATHS.step_time_s(s)) for s in _cpu_like_shapes()]
+    fitted, stats = fit_linear_cost_model(samples, token_knots=TWO_PATHS.token_knots)
+    assert fitted.per_prefill_step_s == pytest.approx(0.0155, rel=1e-6)
+    assert fitted.per_decode_step_s == pytest.approx(0.0072, rel=1e-6)
+    assert fitted.token_knot_s == pytest.approx(TWO_PATHS.token_knot_s, rel=1e-6)
+    assert stats["mean_abs_rel_error"] < 1e-9
+    # One set of weights (a single pass): neither term is fitted.
+    one_pass, _ = fit_linear_cost_model([(s, CPU_CURVE.step_time_s(s)) for s in _cpu_like_shapes()],
+                                        token_knots=CPU_CURVE.token_knots)
+    assert one_pass.per_prefill_step_s == pytest.approx(0.0, abs=1e-9)
+    assert one_pass.per_decode_step_s == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_profile_written_before_the_step_terms_loads_without_them(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"kind": "linear", "coefficients": {
+        "intercept_s": 0.01, "per_prefill_token_s": 1e-4, "per_decode_seq_s": 1e-3, "per_kv_token_read_s": 0.0,
+        "per_attention_pair_s": 0.0}}))
+    loaded = load_profile(path)
+    assert (loaded.per_prefill_step_s, loaded.per_decode_step_s) == (0.0, 0.0)
+    assert loaded.step_time_s(StepShape(100, 2, 300, 300)) == pytest.approx(0.01 + 0.01 + 0.002)
+    path.write_text(json.dumps(profile_json(TWO_PATHS, {"r2": 1.0}, {}, {}, [])))
+    shape = StepShape(16, 4, 416, 536)
+    assert load_profile(path).step_time_s(shape) == TWO_PATHS.step_time_s(shape)
+
+
 def test_a_fit_never_extrapolates_past_its_knots():
     # Steps larger than the last knot on a falling curve: extending the last
     # segment would predict less than the model (which never falls past the

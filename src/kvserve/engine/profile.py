@@ -369,6 +369,8 @@ def run(args: argparse.Namespace) -> int:
               f" + {c['per_decode_seq_s'] * 1e6:.1f} us/decode seq"
               f" + {c['per_kv_token_read_s'] * 1e9:.1f} ns/KV token read"
               f" + {c['per_attention_pair_s'] * 1e9:.3f} ns/attention pair")
+    print(f"  + {c['per_prefill_step_s'] * 1e3:.2f} ms a step with prompt rows"
+          f" + {c['per_decode_step_s'] * 1e3:.2f} ms a step with decode rows")
     loop = document["serving_loop"]
     if loop["num_steps"]:
         print(f"  + {loop['overhead_per_step_s'] * 1e3:.2f} ms/step serving loop overhead (batch-1 decode "

@@ -106,13 +106,18 @@ def decode_step_ends_s(model: CostModel, start_s: float, shapes: list[tuple[int,
 
 # Feature order of a fitted linear model (and of `kvserve profile`'s JSON).
 LINEAR_FEATURES = ("intercept_s", "per_prefill_token_s", "per_decode_seq_s",
-                   "per_kv_token_read_s", "per_attention_pair_s")
+                   "per_kv_token_read_s", "per_attention_pair_s", "per_prefill_step_s", "per_decode_step_s")
+# What a step pays once for having prompt rows, once for decode rows
+# (LinearCostModel's e, f): fitted only where the samples tell them apart,
+# and read as 0 from a profile written before them.
+STEP_KIND_FEATURES = ("per_prefill_step_s", "per_decode_step_s")
 
 
 @dataclass(frozen=True)
 class LinearCostModel:
     """step_time = intercept + curve(tokens) + a x prefill tokens
                    + b x decode seqs + c x KV tokens read + d x attention pairs
+                   + e x [any prefill tokens] + f x [any decode seqs]
                    + serving overhead
 
     with every coefficient >= 0 and tokens = prefill tokens + decode seqs.
@@ -121,7 +126,16 @@ class LinearCostModel:
     first knot, extended past the last along the last segment (never
     falling). A fit with a curve puts the intercept and the per-prefill-token
     cost into it; b then is what a decoding sequence costs beyond its token's
-    pass through the weights (sampling, detokenizing, its attention call)."""
+    pass through the weights (sampling, detokenizing, its attention call).
+
+    e and f are what a step pays once for having prompt rows, and once for
+    having decode rows: an engine whose prompt rows take weights of their
+    own (kvserve's CPU path: prompts on bfloat16 tiles, decode rows on the
+    quantized weights) streams both sets in a mixed step. There a 1-token
+    prefill costs ~1.8x a 1-sequence decode step and a mixed step about the
+    two added; one curve over all tokens averaged them and put the batch-1
+    decode step 10-20% high. An engine with one pass through one set of
+    weights fits e = f = 0."""
 
     intercept_s: float
     per_prefill_token_s: float
@@ -146,6 +160,8 @@ class LinearCostModel:
     # The machine's speed over seconds (None: not measured); applied, as
     # the step jitter, by `JitteredCostModel`.
     speed_drift: SpeedDrift | None = None
+    per_prefill_step_s: float = 0.0  # e above
+    per_decode_step_s: float = 0.0  # f above
 
     def __post_init__(self) -> None:
         for name in (*LINEAR_FEATURES, "serving_overhead_s"):
@@ -182,7 +198,9 @@ class LinearCostModel:
         t = (self.intercept_s + self.serving_overhead_s + self.per_prefill_token_s * shape.num_prefill_tokens
              + self.per_decode_seq_s * shape.num_decode_seqs
              + self.per_kv_token_read_s * shape.kv_tokens_read
-             + self.per_attention_pair_s * shape.attention_pairs)
+             + self.per_attention_pair_s * shape.attention_pairs
+             + (self.per_prefill_step_s if shape.num_prefill_tokens else 0.0)
+             + (self.per_decode_step_s if shape.num_decode_seqs else 0.0))
         if self.token_knots:
             t += self.token_curve_s(shape.num_tokens)
         return t
@@ -403,7 +421,7 @@ def load_profile(path: Path) -> LinearCostModel | HardwareProfile:
     kind = raw.get("kind")
     if kind == "linear":
         coefficients = raw.get("coefficients", {})
-        missing = [n for n in LINEAR_FEATURES if n not in coefficients]
+        missing = [n for n in LINEAR_FEATURES if n not in coefficients and n not in STEP_KIND_FEATURES]
         if missing:
             raise ValueError(f"profile {str(path)!r} lacks coefficients {missing}")
         engine = tuple(sorted((k, int(v)) for k, v in raw.get("engine", {}).items()
@@ -427,7 +445,7 @@ def load_profile(path: Path) -> LinearCostModel | HardwareProfile:
         except (TypeError, ValueError, KeyError, AttributeError):
             raise ValueError(f"profile {str(path)!r}: speed_drift needs numbers 'bin_s' and 'block_s' "
                              "and a list 'factors' of numbers > 0") from None
-        return LinearCostModel(**{n: float(coefficients[n]) for n in LINEAR_FEATURES},
+        return LinearCostModel(**{n: float(coefficients.get(n, 0.0)) for n in LINEAR_FEATURES},
                                source=str(path), engine=engine, token_knots=knots, token_knot_s=knot_s,
                                step_jitter=jitter, serving_overhead_s=overhead, speed_drift=drift)
     if kind == "hardware":
@@ -469,7 +487,13 @@ def fit_linear_cost_model(samples: list[tuple[StepShape, float]], source: str = 
     weights at least once, so more tokens never cost less than one (the
     unknowns are the first knot's time and each other knot's excess over
     it, all >= 0). Without that, noisy steps could fit a knot at 0 s and
-    predict steps that take no time. Returns the model and fit statistics
+    predict steps that take no time.
+
+    The per-step terms for prompt rows and for decode rows (e, f) are
+    fitted only where they can be told apart from the rest: the samples
+    hold steps of prompt rows alone, of decode rows alone and of both, and
+    enough of them for the two more unknowns (`kvserve profile`'s grid
+    does); otherwise they are 0. Returns the model and fit statistics
     (r2, mean absolute relative error, number of samples)."""
     import numpy as np
 
@@ -482,8 +506,12 @@ def fit_linear_cost_model(samples: list[tuple[StepShape, float]], source: str = 
         largest = max(s.num_tokens for s, _ in samples)
         if largest > knots[-1]:
             knots += (largest,)
-    line_features = LINEAR_FEATURES[2:] if knots else LINEAR_FEATURES
+    line_features = tuple(n for n in (LINEAR_FEATURES[2:] if knots else LINEAR_FEATURES) if n not in STEP_KIND_FEATURES)
     num_unknowns = len(knots) + len(line_features)
+    kinds = {(s.num_prefill_tokens > 0, s.num_decode_seqs > 0) for s, _ in samples}
+    if {(True, False), (False, True), (True, True)} <= kinds and len(samples) >= num_unknowns + len(STEP_KIND_FEATURES):
+        line_features += STEP_KIND_FEATURES
+        num_unknowns += len(STEP_KIND_FEATURES)
     if len(samples) < num_unknowns:
         raise ValueError(f"need at least {num_unknowns} timed steps to fit, got {len(samples)}")
     shapes = [s for s, _ in samples]
@@ -491,7 +519,9 @@ def fit_linear_cost_model(samples: list[tuple[StepShape, float]], source: str = 
                "per_prefill_token_s": [s.num_prefill_tokens for s in shapes],
                "per_decode_seq_s": [s.num_decode_seqs for s in shapes],
                "per_kv_token_read_s": [s.kv_tokens_read for s in shapes],
-               "per_attention_pair_s": [s.attention_pairs for s in shapes]}
+               "per_attention_pair_s": [s.attention_pairs for s in shapes],
+               "per_prefill_step_s": [1.0 if s.num_prefill_tokens else 0.0 for s in shapes],
+               "per_decode_step_s": [1.0 if s.num_decode_seqs else 0.0 for s in shapes]}
     x = np.array([columns[name] for name in line_features], dtype=float).T
     if knots:
         # curve = weights @ knot times; knot times = first + [0, excess...],
@@ -514,8 +544,7 @@ def fit_linear_cost_model(samples: list[tuple[StepShape, float]], source: str = 
              "mean_abs_rel_error": float(np.mean(np.abs(residual) / y))}
     fitted = dict(zip(line_features, (float(c) for c in coef[len(knots):])))
     knot_s = tuple(float(coef[0]) + (float(c) if i else 0.0) for i, c in enumerate(coef[:len(knots)]))
-    intercept, per_prefill, per_decode, per_kv, per_pair = (fitted.get(name, 0.0) for name in LINEAR_FEATURES)
-    model = LinearCostModel(intercept, per_prefill, per_decode, per_kv, per_pair, source=source,
+    model = LinearCostModel(**{name: fitted.get(name, 0.0) for name in LINEAR_FEATURES}, source=source,
                             engine=tuple(sorted((engine or {}).items())), token_knots=knots,
                             token_knot_s=knot_s)
     return model, stats

@@ -506,10 +506,12 @@ def fit_linear_cost_model(samples: list[tuple[StepShape, float]], source: str = 
         largest = max(s.num_tokens for s, _ in samples)
         if largest > knots[-1]:
             knots += (largest,)
-    line_features = tuple(n for n in (LINEAR_FEATURES[2:] if knots else LINEAR_FEATURES) if n not in STEP_KIND_FEATURES)
+    line_features = tuple(n for n in (LINEAR_FEATURES[2:] if knots else LINEAR_FEATURES)
+                          if n not in STEP_KIND_FEATURES)
     num_unknowns = len(knots) + len(line_features)
     kinds = {(s.num_prefill_tokens > 0, s.num_decode_seqs > 0) for s, _ in samples}
-    if {(True, False), (False, True), (True, True)} <= kinds and len(samples) >= num_unknowns + len(STEP_KIND_FEATURES):
+    told_apart = {(True, False), (False, True), (True, True)} <= kinds
+    if told_apart and len(samples) >= num_unknowns + len(STEP_KIND_FEATURES):
         line_features += STEP_KIND_FEATURES
         num_unknowns += len(STEP_KIND_FEATURES)
     if len(samples) < num_unknowns:

@@ -546,9 +546,13 @@ def fit_linear_cost_model(samples: list[tuple[StepShape, float]], source: str = 
              "mean_abs_rel_error": float(np.mean(np.abs(residual) / y))}
     fitted = dict(zip(line_features, (float(c) for c in coef[len(knots):])))
     knot_s = tuple(float(coef[0]) + (float(c) if i else 0.0) for i, c in enumerate(coef[:len(knots)]))
-    model = LinearCostModel(**{name: fitted.get(name, 0.0) for name in LINEAR_FEATURES}, source=source,
+    coefficient = {name: fitted.get(name, 0.0) for name in LINEAR_FEATURES}
+    model = LinearCostModel(coefficient["intercept_s"], coefficient["per_prefill_token_s"],
+                            coefficient["per_decode_seq_s"], coefficient["per_kv_token_read_s"],
+                            coefficient["per_attention_pair_s"], source=source,
                             engine=tuple(sorted((engine or {}).items())), token_knots=knots,
-                            token_knot_s=knot_s)
+                            token_knot_s=knot_s, per_prefill_step_s=coefficient["per_prefill_step_s"],
+                            per_decode_step_s=coefficient["per_decode_step_s"])
     return model, stats
 
 

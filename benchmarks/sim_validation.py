@@ -153,15 +153,19 @@ def frontend_latency_s(base_url: str, num_probes: int = 8) -> float:
     unlike the workload's: no prefix-cache hits for it.)"""
     import urllib.request
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     def prompt_steps() -> tuple[float, float]:
         text = urllib.request.urlopen(base_url + "/metrics", timeout=10).read().decode()
         total = count = 0.0
-        for line in text.splitlines():
-            if line.startswith("kvserve_engine_step_seconds_") and 'kind="prefill"' in line:
-                if line.startswith("kvserve_engine_step_seconds_sum"):
-                    total += float(line.rsplit(" ", 1)[1])
-                elif line.startswith("kvserve_engine_step_seconds_count"):
-                    count += float(line.rsplit(" ", 1)[1])
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.labels.get("kind") != "prefill":
+                    continue
+                if sample.name == "kvserve_engine_step_seconds_sum":
+                    total += sample.value
+                elif sample.name == "kvserve_engine_step_seconds_count":
+                    count += sample.value
         return total, count
 
     model = served_model(base_url)

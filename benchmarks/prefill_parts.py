@@ -65,10 +65,15 @@ class PartTimer:
         setattr(owner, name, timed)
 
 
-def matmul_part(shapes: dict[tuple[int, int], str]):
+def matmul_part(shapes: dict[tuple[int, int], str], prompt_tiles: bool = False):
+    """kvq_matmul's arguments (N, K, xop, M at 2, 3, 7, 10) or, prompt_tiles,
+    kvq_matmul_bf16's (one fewer before each: no weight type)."""
+    first = 1 if prompt_tiles else 2
+
     def part_of(args):
-        n, k, xop, m = args[2], args[3], args[7], args[10]
-        return shapes.get((n, k), f"matmul {n}x{k} ({XOP_NAMES[xop]})"), 2.0 * m * n * k
+        n, k, xop, m = args[first], args[first + 1], args[first + 5], args[first + 8]
+        name = shapes.get((n, k), f"matmul {n}x{k} ({XOP_NAMES[xop]})")
+        return (f"{name}, prompt tiles" if prompt_tiles else name), 2.0 * m * n * k
     return part_of
 
 
@@ -94,6 +99,7 @@ def main() -> int:
     clock = timer.clock
     lib = quantized.require_kernels()
     timer.wrap(lib, "kvq_matmul", matmul_part(shapes))
+    timer.wrap(lib, "kvq_matmul_bf16", matmul_part(shapes, prompt_tiles=True))
     timer.wrap(lib, "kvq_decode_attention", lambda a: ("attention", 0.0))
     timer.wrap(lib, "kvq_rope_write_kv", lambda a: ("rope + K/V write", 0.0))
     timer.wrap(lib, "kvq_dequantize_rows", lambda a: ("embedding rows", 0.0))

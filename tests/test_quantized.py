@@ -702,20 +702,28 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions():
     assert list(alone.values())[0].token_ids == list(crowded.values())[2].token_ids
 
 
-@pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
-def test_native_decode_step_is_bit_identical_to_the_layer_by_layer_path(qtype):
-    """Decode steps run all layers in one native call (kvq_decode_layers); the
-    hidden states it hands the LM head equal the per-op path's exactly."""
+@pytest.mark.parametrize("qtype, prefill_weights", [
+    ("q4_1", "none"), ("q8_0", "none"),
+    pytest.param("q4_1", "bf16", marks=needs_prompt_tiles), pytest.param("q8_0", "bf16", marks=needs_prompt_tiles)])
+def test_native_decode_step_is_bit_identical_to_the_layer_by_layer_path(qtype, prefill_weights):
+    """Steps run all layers in one native call (kvq_decode_layers); the
+    hidden states it hands the LM head equal the per-op path's exactly. With
+    the prompt tiles, the one call takes a prompt's MLP in one pass
+    (kvq_prompt_mlp: SwiGLU written straight into the down projection's
+    tiles) where the per-op path goes through the float32 gate_up rows: a
+    48-token budget gives steps of 48 prompt rows (whole and partial 32-row
+    tiles) and steps of decode rows beside a prompt's chunk."""
     from kvserve.contract import SamplingParams
     from tests.tiny_models import random_prompts, run_to_completion, tiny_engine, tiny_llama
 
     hf = tiny_llama(seed=4)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    prompts = random_prompts([5, 13, 9], seed=7)
+    prompts = random_prompts([5, 13, 9, 37, 40], seed=7)
     hidden_by_path = {}
     for native in (True, False):
-        engine = tiny_engine(hf, quantization=qtype)
+        engine = tiny_engine(hf, quantization=qtype, prefill_weights=prefill_weights, max_num_batched_tokens=48)
         model = engine.runner.model
+        assert model.prompt_rows_last == (prefill_weights == "bf16")
         assert model.native_decode is not None
         if not native:
             model.native_decode = None

@@ -1259,8 +1259,13 @@ KVQ_AMX_BF16 static void bf16_rows_chunk(const void* ctx, int64_t chunk) {
         uint16_t* out = j->xb + (m / 16) * 16 * j->K + (m % 16) * QK;  /* block b at + 512 b */
         if (m >= j->M) { for (int64_t b = 0; b < j->nb; b++) memset(out + 512 * b, 0, QK * 2); continue; }
         const void* row = (const char*)j->x + (size_t)m * j->ldx * esz;
-        if (j->xop != KVQ_X_PLAIN) transform_row(row, j->xtype, j->K, j->xop, j->norm_w, j->eps, tmp, 3);
-        else for (int64_t k = 0; k < j->K; k++) tmp[k] = load_x(row, j->xtype, k);
+        if (j->xop == KVQ_X_PLAIN) {  /* K % 32 == 0 */
+            for (int64_t k = 0; k < j->K; k += 16)
+                _mm256_storeu_si256((__m256i*)(out + 512 * (k / QK) + k % QK),
+                                    to_bf16x16_avx512(load16_avx512(row, j->xtype, k)));
+            continue;
+        }
+        transform_row(row, j->xtype, j->K, j->xop, j->norm_w, j->eps, tmp, 3);
         for (int64_t k = 0; k < j->K; k += 16)
             _mm256_storeu_si256((__m256i*)(out + 512 * (k / QK) + k % QK), to_bf16x16_avx512(_mm512_loadu_ps(tmp + k)));
     }

@@ -1313,6 +1313,27 @@ static inline void read_ahead_step(read_ahead* ra) {
     }
 }
 
+/* C tiles 0-3 = rows m0 .. (A tile 4) and m0 + 16 .. (5, where rows2) times
+ * the B strips b0 (tile 6) and b1 (7, where two) over the whole K. */
+KVQ_AMX_BF16 __attribute__((always_inline)) static inline void
+tile_products(const bf16_job* j, int64_t m0, const uint16_t* b0, const uint16_t* b1, int two, int rows2,
+              read_ahead* ra) {
+    const uint16_t *a0 = j->xb + m0 * j->K, *a1 = a0 + 16 * j->K;  /* 16 rows' A tiles, block after block */
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t b = 0; b < j->nb; b++) {
+        read_ahead_step(ra);
+        _tile_loadd(4, a0 + 512 * b, 64);
+        _tile_loadd(6, b0 + 512 * b, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two) { _tile_loadd(7, b1 + 512 * b, 64); _tile_dpbf16ps(1, 4, 7); }
+        if (rows2) {
+            _tile_loadd(5, a1 + 512 * b, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
 /* A C tile's sums for rows m0 .. (those below M; a tile starts below M) and outputs n0 ... */
 KVQ_AMX_BF16 static void bf16_store(const bf16_job* j, int64_t m0, int64_t n0, const float (*sums)[16]) {
     store_tile_sums(j->y, j->ytype, j->ldy, j->add, j->addtype, j->ldadd, j->N, m0,
@@ -1334,22 +1355,9 @@ KVQ_AMX_BF16 static void bf16_chunk(const void* ctx, int64_t chunk) {
     amx_bf16_configure();
     for (int64_t m0 = 0; m0 < j->Mpad; m0 += 32) {
         const int rows2 = m0 + 16 < j->Mpad;
-        const uint16_t *a0 = j->xb + m0 * j->K, *a1 = a0 + 16 * j->K;  /* 16 rows' A tiles, block after block */
         prefetch_store_rows(j->y, j->ytype, j->ldy, j->add, j->addtype, j->ldadd, m0,
                             j->M - m0 < 32 ? j->M - m0 : 32, 16 * c0, two ? 32 : 16);
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int64_t b = 0; b < j->nb; b++) {
-            read_ahead_step(&ra);
-            _tile_loadd(4, a0 + 512 * b, 64);
-            _tile_loadd(6, b0 + 512 * b, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            if (two) { _tile_loadd(7, b1 + 512 * b, 64); _tile_dpbf16ps(1, 4, 7); }
-            if (rows2) {
-                _tile_loadd(5, a1 + 512 * b, 64);
-                _tile_dpbf16ps(2, 5, 6);
-                if (two) _tile_dpbf16ps(3, 5, 7);
-            }
-        }
+        tile_products(j, m0, b0, b1, (int)two, rows2, &ra);
         if (direct && m0 + 32 <= j->M) {
             float* y0 = (float*)j->y + m0 * j->ldy + 16 * c0;
             const int64_t stride = j->ldy * 4;
@@ -1398,21 +1406,7 @@ KVQ_AMX_BF16 static void swiglu_chunk(const void* ctx, int64_t chunk) {
     amx_bf16_configure();
     for (int64_t m0 = 0; m0 < j->Mpad; m0 += 32) {
         const int rows2 = m0 + 16 < j->Mpad;
-        const uint16_t *a0 = j->xb + m0 * j->K, *a1 = a0 + 16 * j->K;
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int64_t b = 0; b < j->nb; b++) {
-            read_ahead_step(&ra);
-            _tile_loadd(4, a0 + 512 * b, 64);
-            _tile_loadd(6, bg + 512 * b, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, bu + 512 * b, 64);
-            _tile_dpbf16ps(1, 4, 7);
-            if (rows2) {
-                _tile_loadd(5, a1 + 512 * b, 64);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-        }
+        tile_products(j, m0, bg, bu, 1, rows2, &ra);
         _tile_stored(0, gate, 64); _tile_stored(1, up, 64);
         swiglu_tiles(j, m0, ki, gate, up);
         if (rows2) { _tile_stored(2, gate, 64); _tile_stored(3, up, 64); swiglu_tiles(j, m0 + 16, ki, gate, up); }

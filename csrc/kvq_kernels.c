@@ -2445,17 +2445,17 @@ typedef struct {
     const void *input_norm, *post_norm;  /* [hidden], the activations' dtype */
     void* kv_cache;                      /* [slots, 2, Hkv, D] */
     /* The same four as kvq_matmul_bf16's packed bfloat16 tiles, for the rows
-     * from kvq_decode_layers' bf16_from on (NULL: every row quantized). */
+     * from kvq_decode_layers' tiles_from on (NULL: every row quantized). */
     const uint16_t *qkv_bf16, *o_bf16, *gate_up_bf16, *down_bf16;
 } kvq_layer;
 
 /* kvq_matmul over rows 0 .. split - 1 and kvq_matmul_bf16 over split .. M - 1,
- * split = bf16_from where the bfloat16 tiles wp exist, else M. */
-static int split_matmul(int wtype, const uint8_t* w, const uint16_t* wp, int64_t bf16_from, int64_t N, int64_t K,
+ * split = tiles_from where the bfloat16 tiles wp exist, else M. */
+static int split_matmul(int wtype, const uint8_t* w, const uint16_t* wp, int64_t tiles_from, int64_t N, int64_t K,
                         const void* x, int xtype, int64_t ldx, int xop, const void* norm_w, float eps, int64_t M,
                         void* y, int ytype, int64_t ldy, const void* add, int addtype, int64_t ldadd,
                         int num_threads) {
-    const int64_t split = wp == NULL || bf16_from >= M ? M : bf16_from < 0 ? 0 : bf16_from;
+    const int64_t split = wp == NULL || tiles_from >= M ? M : tiles_from < 0 ? 0 : tiles_from;
     if (split > 0) {
         int status = kvq_matmul(wtype, w, N, K, x, xtype, ldx, xop, norm_w, eps, split, y, ytype, ldy, add, addtype,
                                 ldadd, num_threads);
@@ -2827,7 +2827,10 @@ int kvq_lora_apply(const kvq_lora_linear* lin, const int64_t* rows, const int64_
  * work beyond the base step's), each fused matmul's low-rank update added to
  * its output right after it, as model/lora.LoraStep does on the per-op path.
  * bf16_from: rows from it on (a step's prompt positions, put last by the
- * runner) take the layers' bfloat16 tiles where a layer has them (T: none).
+ * runner) attend on AMX-BF16 where the CPU has it (T: none). tiles_from:
+ * rows from it on take the layers' bfloat16 tiles in the matmuls, where a
+ * layer has them (T: none); the caller sets it to T for a step of few
+ * prompt rows, which the tiles' bytes would cost more than they save.
  * cache_dtype: the KV caches' element type (KVQ_F32 or KVQ_BF16), which
  * may differ from the activations' dtype.
  * Returns 0, or -1 (a kernel refused: allocation or a head shape past the
@@ -2838,7 +2841,7 @@ int kvq_decode_layers(const kvq_layer* layers, int64_t num_layers, void* residua
                       const int64_t* positions, const void* cos, const void* sin, const int64_t* slots,
                       const int64_t* block_table, int64_t max_blocks, const int64_t* context_lens,
                       int64_t block_size, void* qkv, void* attn, void* gate_up, int num_threads,
-                      const kvq_lora_step* lora, int64_t bf16_from, int cache_dtype) {
+                      const kvq_lora_step* lora, int64_t bf16_from, int64_t tiles_from, int cache_dtype) {
     if (H / Hkv > KVQ_MAX_GROUP || D > KVQ_MAX_D) return -1;
     const int64_t nqkv = (H + 2 * Hkv) * D;
     float *xs = NULL, *shrunk = NULL;  /* the adapter rows' inputs and f(x) A, reused by every linear */
@@ -2858,7 +2861,7 @@ int kvq_decode_layers(const kvq_layer* layers, int64_t num_layers, void* residua
     for (int64_t l = 0; l < num_layers && status == 0; l++) {
         const kvq_layer* ly = &layers[l];
         const kvq_lora_linear* ll = lora ? lora->linears + 4 * l : NULL;
-        if ((status = split_matmul(ly->qkv_type, ly->qkv, ly->qkv_bf16, bf16_from, nqkv, hidden, residual, dtype,
+        if ((status = split_matmul(ly->qkv_type, ly->qkv, ly->qkv_bf16, tiles_from, nqkv, hidden, residual, dtype,
                                    hidden, KVQ_X_RMS_NORM, ly->input_norm, eps, T, qkv, dtype, nqkv, NULL, 0, 0,
                                    num_threads))) break;
         if (ll) lora_add(lora, &ll[0], residual, dtype, hidden, KVQ_X_RMS_NORM, ly->input_norm, eps, qkv, nqkv, xs,
@@ -2868,14 +2871,14 @@ int kvq_decode_layers(const kvq_layer* layers, int64_t num_layers, void* residua
         if ((status = kvq_decode_attention(qkv, dtype, nqkv, ly->kv_cache, cache_dtype, block_table, max_blocks,
                                            context_lens, block_size, T, H, Hkv, D, scale, attn, num_threads,
                                            bf16_from))) break;
-        if ((status = split_matmul(ly->o_type, ly->o, ly->o_bf16, bf16_from, hidden, H * D, attn, dtype, H * D,
+        if ((status = split_matmul(ly->o_type, ly->o, ly->o_bf16, tiles_from, hidden, H * D, attn, dtype, H * D,
                                    KVQ_X_PLAIN, NULL, 0.f, T, residual, dtype, hidden, residual, dtype, hidden,
                                    num_threads))) break;
         if (ll) lora_add(lora, &ll[1], attn, dtype, H * D, KVQ_X_PLAIN, NULL, 0.f, residual, hidden, xs, shrunk,
                          num_threads);
-        if (ll == NULL && dtype == KVQ_F32 && ly->gate_up_bf16 != NULL && ly->down_bf16 != NULL && bf16_from < T &&
+        if (ll == NULL && dtype == KVQ_F32 && ly->gate_up_bf16 != NULL && ly->down_bf16 != NULL && tiles_from < T &&
             inter % 32 == 0) {  /* the prompt rows' MLP without its float32 gate_up activations */
-            const int64_t split = bf16_from < 0 ? 0 : bf16_from;
+            const int64_t split = tiles_from < 0 ? 0 : tiles_from;
             float* rows = (float*)residual + split * hidden;
             if (split > 0 && ((status = kvq_matmul(ly->gate_up_type, ly->gate_up, 2 * inter, hidden, residual, dtype,
                                                    hidden, KVQ_X_RMS_NORM, ly->post_norm, eps, split, gate_up, dtype,
@@ -2887,12 +2890,12 @@ int kvq_decode_layers(const kvq_layer* layers, int64_t num_layers, void* residua
                                          ly->post_norm, eps, T - split, rows, hidden, rows, hidden, num_threads))) break;
             continue;
         }
-        if ((status = split_matmul(ly->gate_up_type, ly->gate_up, ly->gate_up_bf16, bf16_from, 2 * inter, hidden,
+        if ((status = split_matmul(ly->gate_up_type, ly->gate_up, ly->gate_up_bf16, tiles_from, 2 * inter, hidden,
                                    residual, dtype, hidden, KVQ_X_RMS_NORM, ly->post_norm, eps, T, gate_up, dtype,
                                    2 * inter, NULL, 0, 0, num_threads))) break;
         if (ll) lora_add(lora, &ll[2], residual, dtype, hidden, KVQ_X_RMS_NORM, ly->post_norm, eps, gate_up,
                          2 * inter, xs, shrunk, num_threads);
-        if ((status = split_matmul(ly->down_type, ly->down, ly->down_bf16, bf16_from, hidden, inter, gate_up, dtype,
+        if ((status = split_matmul(ly->down_type, ly->down, ly->down_bf16, tiles_from, hidden, inter, gate_up, dtype,
                                    2 * inter, KVQ_X_SWIGLU, NULL, 0.f, T, residual, dtype, hidden, residual, dtype,
                                    hidden, num_threads))) break;
         if (ll) lora_add(lora, &ll[3], gate_up, dtype, 2 * inter, KVQ_X_SWIGLU, NULL, 0.f, residual, hidden, xs,

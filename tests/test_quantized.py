@@ -705,16 +705,26 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions():
 @pytest.mark.parametrize("qtype, prefill_weights", [
     ("q4_1", "none"), ("q8_0", "none"),
     pytest.param("q4_1", "bf16", marks=needs_prompt_tiles), pytest.param("q8_0", "bf16", marks=needs_prompt_tiles)])
-def test_native_decode_step_is_bit_identical_to_the_layer_by_layer_path(qtype, prefill_weights):
+def test_native_decode_step_is_bit_identical_to_the_layer_by_layer_path(qtype, prefill_weights, monkeypatch):
     """Steps run all layers in one native call (kvq_decode_layers); the
     hidden states it hands the LM head equal the per-op path's exactly. With
     the prompt tiles, the one call takes a prompt's MLP in one pass
     (kvq_prompt_mlp: SwiGLU written straight into the down projection's
     tiles) where the per-op path goes through the float32 gate_up rows: a
     48-token budget gives steps of 48 prompt rows (whole and partial 32-row
-    tiles) and steps of decode rows beside a prompt's chunk."""
+    tiles), steps of decode rows beside a prompt's chunk, and a step whose
+    11 prompt rows are too few for the tiles (PROMPT_TILES_MIN_ROWS): its
+    matmuls take the quantized blocks while its prompt rows still attend on
+    AMX-BF16."""
+    import kvserve.model.llama as llama_module
     from kvserve.contract import SamplingParams
+    from kvserve.model.quantized import PROMPT_TILES_MIN_ROWS, tiles_from
     from tests.tiny_models import random_prompts, run_to_completion, tiny_engine, tiny_llama
+
+    splits = []  # (prompt rows, whether the matmuls took the tiles) of each native step
+    monkeypatch.setattr(llama_module, "tiles_from", lambda num_rows, prompt_from: splits.append(
+        (0 if prompt_from is None else num_rows - prompt_from, tiles_from(num_rows, prompt_from) is not None))
+        or tiles_from(num_rows, prompt_from))
 
     hf = tiny_llama(seed=4)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -734,6 +744,9 @@ def test_native_decode_step_is_bit_identical_to_the_layer_by_layer_path(qtype, p
     assert len(hidden_by_path[True]) == len(hidden_by_path[False]) > 3  # a prefill, then decode steps
     for native, per_op in zip(hidden_by_path[True], hidden_by_path[False]):
         assert torch.equal(native, per_op)
+    if prefill_weights == "bf16":
+        assert (48, True) in splits and any(0 < rows < PROMPT_TILES_MIN_ROWS for rows, _ in splits)
+        assert all(on_tiles == (rows >= PROMPT_TILES_MIN_ROWS) for rows, on_tiles in splits)
 
 
 

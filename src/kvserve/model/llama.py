@@ -27,7 +27,7 @@ from kvserve.model.attention import AttentionMetadata, native_attention, native_
 from kvserve.model_facts.config import ModelConfig
 from kvserve.model.device import resolve_device
 from kvserve.model.quantized import (KernelUnavailable, NativeLayer, QuantizedWeight, activation_type, kernel_threads,
-                                     require_kernels)
+                                     require_kernels, tiles_from)
 
 
 class LinearUpdates(Protocol):
@@ -200,7 +200,8 @@ class DecoderLayer:
         both inside one call; the float path runs the same ops in torch).
         `lora`: this step's adapters (model/lora.py), added to each fused
         matmul's output; their input transform runs again in torch on their rows."""
-        prompt = meta.bf16_rows_from  # rows from here on: prompt positions (the prompt tiles')
+        # Rows from here on take the prompt tiles (prompt positions, where the step has enough).
+        prompt = tiles_from(residual.shape[0], meta.bf16_rows_from)
         qkv = self.qkv.matmul(residual, norm=(self.input_norm, self.eps), bf16_from=prompt)
         if lora is not None:
             lora.add(qkv, self.index, "qkv", residual, norm=(self.input_norm, self.eps))
@@ -281,7 +282,9 @@ class NativeStep:
             block_table.shape[1], context_lens.data_ptr(), meta.block_size, qkv.data_ptr(),
             attn.data_ptr(), gate_up.data_ptr(), kernel_threads(num_tokens),
             None if lora is None else ctypes.addressof(lora),
-            num_tokens if meta.bf16_rows_from is None else meta.bf16_rows_from, activation_type(kv_caches[0].dtype))
+            num_tokens if meta.bf16_rows_from is None else meta.bf16_rows_from,
+            num_tokens if (tiles := tiles_from(num_tokens, meta.bf16_rows_from)) is None else tiles,
+            activation_type(kv_caches[0].dtype))
         if status == -2:
             raise KernelUnavailable("this CPU has no AMX-BF16 for the bfloat16 prompt tiles")
         if status != 0:

@@ -77,7 +77,8 @@ def _library() -> ctypes.CDLL | None:
                                     i64, i32]
     lib.kvq_matmul_bf16.restype = i32
     lib.kvq_decode_layers.argtypes = [ptr, i64, ptr, i32, i64, i64, i64, i64, i64, i64, f32, f32,
-                                      ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i32, ptr, i64, i32]
+                                      ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i32, ptr, i64, i64,
+                                      i32]
     lib.kvq_decode_layers.restype = i32
     lib.kvq_lora_apply.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i32, i64, i32, ptr, f32, ptr, i64, i32]
     lib.kvq_lora_apply.restype = i32
@@ -97,6 +98,29 @@ def require_kernels() -> ctypes.CDLL:
         raise KernelUnavailable(f"the quantized CPU kernels are not built ({LIBRARY_PATH} is missing); "
                                 "run `make install` (needs gcc), or use --quantization none")
     return lib
+
+
+# A step's matmuls take the prompt tiles only for at least this many prompt
+# rows. The tiles stream the weights in bfloat16 (the default model's: 0.2
+# GiB a step, ~3.5x its Q4_1 blocks) and pay that back only once enough
+# rows share them. Measured on the AMX Xeon (1 and 2 threads, with 0 and 8
+# decode rows beside), a step's cost on the tiles over its cost on the
+# quantized blocks: 2.0-2.4x for 1 prompt row, 1.5-1.8x for 8, 1.0-1.1x
+# for 24, 0.86-0.97x for 32. Small prompt chunks are common: a prefix-cache hit's
+# remainder, a chunked prompt's tail, a preempted request's recompute.
+# (Their attention stays on AMX-BF16: over a long cached prefix it is what
+# the rows cost.)
+PROMPT_TILES_MIN_ROWS = 32
+
+
+def tiles_from(num_rows: int, prompt_from: int | None) -> int | None:
+    """The first of a step's rows that take the prompt tiles in the
+    matmuls: `prompt_from` (the first prompt row,
+    AttentionMetadata.bf16_rows_from) where at least PROMPT_TILES_MIN_ROWS
+    rows are prompt rows, else None (every row on the quantized blocks)."""
+    if prompt_from is None or num_rows - max(prompt_from, 0) < PROMPT_TILES_MIN_ROWS:
+        return None
+    return prompt_from
 
 
 def prompt_tiles_available() -> bool:

@@ -295,7 +295,7 @@ def test_native_rope_and_kv_write_match_the_torch_path(isa, dtype, cache_dtype, 
     assert not cache[untouched].any()
 
 
-def _attend(q, cache, table, lens, block_size, h, hkv, d, first, count, prompt_from, scale=0.2):
+def _attend(q, cache, table, lens, block_size, h, hkv, d, first, count, prompt_from, scale=0.2, threads=2):
     """kvq_decode_attention over rows first .. first + count - 1 (rows from
     prompt_from on, counted from first, as a step's prompt rows)."""
     lib = quantized.require_kernels()
@@ -303,7 +303,7 @@ def _attend(q, cache, table, lens, block_size, h, hkv, d, first, count, prompt_f
     assert lib.kvq_decode_attention(q[first].data_ptr(), quantized.activation_type(q.dtype), q.stride(0),
                                     cache.data_ptr(), quantized.activation_type(cache.dtype), table[first].data_ptr(),
                                     table.shape[1], lens[first].data_ptr(), block_size, count, h, hkv, d, scale,
-                                    out.data_ptr(), 2, prompt_from) == 0
+                                    out.data_ptr(), threads, prompt_from) == 0
     return out
 
 
@@ -314,8 +314,10 @@ def test_attention_rows_sharing_a_work_item_get_the_bits_they_get_alone(isa, dty
     tile, so the rows of one sequence share each tile's K/V reads; each row still
     does its own work on its own context, so every output equals the same row's
     attended alone (one row per call), across items spanning two sequences.
-    Decode rows (one per sequence), when there are enough of them, go one row
-    to an item over every KV head: those too must equal the row alone."""
+    Decode rows (one per sequence), when there are enough of them or one
+    thread takes them all (a batch-1 decode step), go one row to an item
+    over every KV head: those too must equal the row alone, on one item per
+    head."""
     from types import SimpleNamespace
 
     from kvserve.runner.step_batch import build_step_batch
@@ -333,12 +335,15 @@ def test_attention_rows_sharing_a_work_item_get_the_bits_they_get_alone(isa, dty
     cache = torch.randn(64 * block_size, 2, hkv, d, generator=gen).to(dtype)
     q = torch.randn(rows, h * d, generator=gen).to(dtype)
 
-    def attend(first: int, count: int) -> torch.Tensor:  # every row on the row kernel
-        return _attend(q, cache, table, lens, block_size, h, hkv, d, first, count, prompt_from=count)
+    def attend(first: int, count: int, threads: int = 2) -> torch.Tensor:  # every row on the row kernel
+        return _attend(q, cache, table, lens, block_size, h, hkv, d, first, count, prompt_from=count,
+                       threads=threads)
 
     together = attend(0, rows)
     for row in range(rows):
-        assert torch.equal(together[row], attend(row, 1)[0]), f"row {row} (context {int(lens[row])})"
+        alone = attend(row, 1)[0]  # two threads, one row: an item per KV head
+        assert torch.equal(together[row], alone), f"row {row} (context {int(lens[row])})"
+        assert torch.equal(attend(row, 1, threads=1)[0], alone), f"row {row} on one thread"
 
 
 # ---- --quantization at load and in the runner ------------------------------------

@@ -31,6 +31,22 @@ def test_time_engine_steps_covers_the_grid_and_fits():
     assert all(model.step_time_s(s) > 0 for s in shapes)
 
 
+def test_decode_only_steps_are_timed_after_settling_decode_steps():
+    """Each batch's decode-only steps are timed only after DECODE_SETTLE_STEPS
+    untimed decode steps of that batch (not right after the prompt steps
+    before them): every sequence has read that many more positions by then."""
+    from kvserve.engine.profile import DECODE_SETTLE_STEPS
+
+    core = tiny_engine(tiny_llama(), num_blocks=256, max_num_batched_tokens=64, max_num_seqs=16)
+    context = 8
+    samples, _ = time_engine_steps(core, ProfileGrid(prefill_tokens=(0, 8), decode_batch=(0, 1, 4),
+                                                     context=(context,), repeats=1, time_budget_s=60))
+    decode_only = [s for s, _ in samples if s.num_prefill_tokens == 0]
+    assert {s.num_decode_seqs for s in decode_only} == {1, 4}
+    for shape in decode_only:
+        assert shape.kv_tokens_read >= shape.num_decode_seqs * (context + 1 + DECODE_SETTLE_STEPS)
+
+
 def test_profile_document_is_accepted_by_simulate(tmp_path):
     core = tiny_engine(tiny_llama(), num_blocks=128, max_num_batched_tokens=64)
     samples, _ = time_engine_steps(core, ProfileGrid((0, 8, 16), (0, 1, 2), (8, 24), 2, 30.0))

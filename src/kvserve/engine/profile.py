@@ -6,9 +6,10 @@ timed in its prefill step. That measures the curve of step time over the
 tokens passing through the weights, which on a CPU is far from a line (one
 token is a cheap matrix-vector product; 8 rows can cost more than 24). Then,
 for each context length, `batch` requests are prefilled (untimed) and timed
-while decoding, which separates the cost of the context read from the
-tokens; then a fresh prompt of each prefill size joins the batch and that
-mixed step is timed. Each timed step's shape comes from the batch
+while decoding (after a few untimed decode steps: the steady state a served
+decode step mostly runs in), which separates the cost of the context read
+from the tokens; then a fresh prompt of each prefill size joins the batch
+and that mixed step is timed. Each timed step's shape comes from the batch
 the step ran (`StepResult.scheduled`), so the fit sees exactly what the
 simulator will ask about. Steps are whole `EngineCore.step()` calls (schedule, forward pass,
 sampling, update, detokenize), the same unit the server's loop runs.
@@ -51,6 +52,14 @@ if TYPE_CHECKING:  # imported when profiling starts, so `--help` does not load t
 DEFAULT_SWEEP_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 # Fewer repeats say nothing of the spread: the median of two is one of them.
 MIN_JITTER_REPEATS = 3
+# Decode-only shapes are timed after this many untimed decode steps of the
+# same batch. A decode step that follows prompt steps runs slower for a few
+# steps (the caches refill with the decode path's data): measured here,
+# batch-1 decode steps each a prompt step after averaged 8% over steps that
+# follow decode steps, the 1st 7% over the 15th. A served decode step mostly
+# follows decode steps, and the linear model has no term for what ran
+# before a step, so the profile times the steady state.
+DECODE_SETTLE_STEPS = 8
 # The serving loop's requests: a short workload's prompt and output, about.
 SERVING_LOOP_REQUESTS = 6
 SERVING_LOOP_PROMPT_TOKENS = 48
@@ -220,7 +229,9 @@ def _measure_token_sweep(core: EngineCore, timer: _StepTimer, rng: random.Random
 
 def _measure_context(core: EngineCore, timer: _StepTimer, rng: random.Random, context: int,
                      grid: ProfileGrid, deadline: float) -> None:
-    """Fill the largest batch once, then measure it and shrink it by aborting."""
+    """Fill the largest batch once, then measure it and shrink it by aborting.
+    Each batch's decode-only steps are timed after DECODE_SETTLE_STEPS
+    untimed ones; then a fresh prompt of each prefill size joins it."""
     batches = sorted(grid.decode_batch, reverse=True)
     running = [_add(core, rng, context, 10**6) for _ in range(batches[0])]
     while any(r.num_output_tokens == 0 for r in running) and time.perf_counter() < deadline:
@@ -230,6 +241,8 @@ def _measure_context(core: EngineCore, timer: _StepTimer, rng: random.Random, co
             core.abort(request.request_id)
         running = running[:batch]
         if batch:
+            for _ in range(DECODE_SETTLE_STEPS):
+                timer.step(timed=False)
             timer.step_median(grid.repeats)
         for prefill in grid.prefill_tokens:
             if prefill == 0 or time.perf_counter() > deadline:

@@ -61,7 +61,8 @@ def add_model_arguments(group: ArgumentTarget) -> None:
                             "the CPU has them and the copy takes at most 1 GiB (prefill 1.6-2.3x faster; +2 bytes per "
                             "layer weight resident, reported at start-up), else the quantized kernels; bf16 = that "
                             "copy whatever its size, or refuse to start; none = the quantized kernels and row-by-row "
-                            "attention, as decode. Generated tokens always take the quantized kernels")
+                            "attention, as decode. Generated tokens always take the quantized kernels, and so do "
+                            "the matmuls of a step with fewer than 32 prompt rows (too few to pay for the copy)")
     group.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
 
 

@@ -144,6 +144,13 @@ static int matmul_isa(void) {
 
 static int amx_enabled(void);
 
+/* The exported interface's version. model/quantized.py calls only a build of
+ * the version it was written against: a stale build (a kernel's arguments
+ * changed since) is refused, not called with arguments in the wrong places.
+ * Raise it with any change to an exported signature or struct. */
+#define KVQ_ABI_VERSION 1
+int kvq_abi_version(void) { return KVQ_ABI_VERSION; }
+
 /* mode 0: the best path the CPU has; 1: pin the portable path; 2: AVX2 without
  * VNNI; 3: VNNI without the AMX tiles (tests compare the paths). Returns the
  * matmul's path: as matmul_isa, or 4 where the AMX tiles take its larger products. */

@@ -42,6 +42,8 @@ QUANT_TYPES = {"q4_0": (2, 18, 144), "q4_1": (3, 20, 160), "q8_0": (8, 34, 272)}
 _ACT_TYPES = {torch.float32: 0, torch.bfloat16: 1}
 _XOP_PLAIN, _XOP_RMS_NORM, _XOP_SWIGLU = 0, 1, 2  # csrc's KVQ_X_*
 LIBRARY_PATH = Path(__file__).with_name("_kvq.so")
+# csrc's KVQ_ABI_VERSION that this module's calls are written against.
+KVQ_ABI_VERSION = 1
 
 
 # Matrices an explicit Q4 request stores as Q8_0, as llama.cpp's Q4 files do:
@@ -55,10 +57,35 @@ class KernelUnavailable(ValueError):
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def _built_library() -> ctypes.CDLL | None:
     if not LIBRARY_PATH.exists():
         return None
-    lib = ctypes.CDLL(str(LIBRARY_PATH))  # CDLL, not PyDLL: calls release the GIL
+    return ctypes.CDLL(str(LIBRARY_PATH))  # CDLL, not PyDLL: calls release the GIL
+
+
+def library_problem() -> str | None:
+    """Why the kernels cannot be called (None: they can): the library is
+    not built, or was built from other sources than this module's (a stale
+    `_kvq.so` would be called with arguments in the wrong places)."""
+    lib = _built_library()
+    if lib is None:
+        return f"the quantized CPU kernels are not built ({LIBRARY_PATH} is missing)"
+    try:
+        version = int(lib.kvq_abi_version())
+    except AttributeError:
+        version = None
+    if version != KVQ_ABI_VERSION:
+        built = "before interface versions" if version is None else f"for interface version {version}"
+        return (f"the quantized CPU kernels in {LIBRARY_PATH} are stale (built {built}; this kvserve calls "
+                f"version {KVQ_ABI_VERSION}): rebuild them")
+    return None
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if library_problem() is not None:
+        return None
+    lib = _built_library()
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     f32 = ctypes.c_float
     # The last argument of each parallel kernel: how many threads (the caller
@@ -95,8 +122,7 @@ def kernels_available() -> bool:
 def require_kernels() -> ctypes.CDLL:
     lib = _library()
     if lib is None:
-        raise KernelUnavailable(f"the quantized CPU kernels are not built ({LIBRARY_PATH} is missing); "
-                                "run `make install` (needs gcc), or use --quantization none")
+        raise KernelUnavailable(f"{library_problem()}; run `make install` (needs gcc), or use --quantization none")
     return lib
 
 
@@ -474,7 +500,7 @@ def _kernel_problem(device: torch.device) -> str | None:
     if device.type != "cpu":
         return f"the quantized kernels run on the CPU, not on {device.type}"
     if not kernels_available():
-        return f"the quantized CPU kernels are not built ({LIBRARY_PATH.name} missing; run `make install`)"
+        return f"{library_problem()}; run `make install`"
     return None
 
 

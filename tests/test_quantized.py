@@ -726,10 +726,14 @@ def test_native_decode_step_is_bit_identical_to_the_layer_by_layer_path(qtype, p
     from kvserve.model.quantized import PROMPT_TILES_MIN_ROWS, tiles_from
     from tests.tiny_models import random_prompts, run_to_completion, tiny_engine, tiny_llama
 
-    splits = []  # (prompt rows, whether the matmuls took the tiles) of each native step
-    monkeypatch.setattr(llama_module, "tiles_from", lambda num_rows, prompt_from: splits.append(
-        (0 if prompt_from is None else num_rows - prompt_from, tiles_from(num_rows, prompt_from) is not None))
-        or tiles_from(num_rows, prompt_from))
+    splits = []  # (prompt rows, whether the matmuls took the tiles): each step, each layer on the per-op path
+
+    def recorded_tiles_from(num_rows: int, prompt_from: int | None) -> int | None:
+        split = tiles_from(num_rows, prompt_from)
+        splits.append((0 if prompt_from is None else num_rows - prompt_from, split is not None))
+        return split
+
+    monkeypatch.setattr(llama_module, "tiles_from", recorded_tiles_from)
 
     hf = tiny_llama(seed=4)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -18,7 +18,7 @@ from kvserve.fleet.autoscale import desired_replicas
 from kvserve.fleet.backend_state import BackendState
 from kvserve.gateway import config as gw
 from kvserve.admission.retry_after import ReturnSlots
-from kvserve.gateway.admission import FleetQuotas, wait_refusal
+from kvserve.fleet.door import FleetQuotas, wait_refusal
 from kvserve.gateway.backends import CLOSED, HALF_OPEN, OPEN, BackendView, CircuitBreaker, parse_metrics
 from kvserve.gateway.batches import BatchStore
 from kvserve.gateway.cli import add_arguments, build_config

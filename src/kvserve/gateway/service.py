@@ -33,7 +33,7 @@ from kvserve.admission.decision import AdmissionDecision, Outcome
 from kvserve.fleet.backend_state import expected_wait_s
 from kvserve.fleet.router import RouteDecision, RouteRequest, affinity_key
 from kvserve.gateway import proxy
-from kvserve.gateway.admission import FleetQuotas, FullAnswers, Saturated, wait_refusal
+from kvserve.fleet.door import FleetQuotas, FullAnswers, Saturated, wait_refusal
 from kvserve.gateway.backends import BackendView, Sent
 from kvserve.gateway.batches import BatchRunner, BatchStore, PendingLine, RetryLater
 from kvserve.gateway.config import CAP_MAX_TOKENS, DEFERRED, REJECT, SMALLER_MODEL, GatewayConfig

@@ -1,15 +1,15 @@
 """The Ray application's ingress: the OpenAI API in front of the model
 deployment, applying the gateway's fleet admission once for every replica:
 
-    authenticate -> tenant quotas + retry budget (gateway.admission.FleetQuotas)
+    authenticate -> tenant quotas + retry budget (fleet.door.FleetQuotas)
     -> 429 + Retry-After before any replica when none can start it within its
-    class's queue-wait limit (gateway.admission.wait_refusal over the router's
+    class's queue-wait limit (fleet.door.wait_refusal over the router's
     views: what binds, and a return slot staggered over the fleet's drain)
     -> the model deployment's handle, routed by kvserve's router
     (ray.router) -> the replica's own admission and answer, relayed; a
     replica's 429 (refused, not started) is sent to one other replica within
     the retry budget, and when none takes it the client gets one 429 with
-    the soonest Retry-After (gateway.admission.FullAnswers, as the gateway).
+    the soonest Retry-After (fleet.door.FullAnswers, as the gateway).
 
 A replica that dies before its answer starts (Ray reports the actor dead)
 is dropped by Ray's router and the request is sent again, to another; a
@@ -56,7 +56,7 @@ from kvserve.fleet.router import RouteRequest, affinity_key
 from kvserve.admission.decision import AdmissionDecision
 from kvserve.admission.retry_after import ReturnSlots
 from kvserve.config import AdmissionConfig
-from kvserve.gateway.admission import FleetQuotas, FullAnswers, Saturated, wait_refusal
+from kvserve.fleet.door import FleetQuotas, FullAnswers, Saturated, wait_refusal
 from kvserve.gateway.inbound import BYTES_PER_TOKEN, read_inbound
 from kvserve.gateway.proxy import error_code, retry_after_s, usage_tokens
 from kvserve.metrics import CONTENT_TYPE_LATEST

@@ -1,6 +1,8 @@
-"""Fleet admission: one decision for every backend behind the gateway.
+"""The fleet's front door: one admission decision for every backend behind
+it. The gateway, the Ray ingress and `kvserve simulate`'s fleet all run it,
+so a simulated fleet refuses, and re-sends, as the live one does.
 
-Two parts:
+Three parts:
 - `FleetQuotas`: API keys -> tenants, per-tenant concurrency and
   tokens-per-minute quotas and the retry budget, counted once for the
   fleet (a tenant limited to 4 in flight gets its 5th refused however many
@@ -17,8 +19,9 @@ Two parts:
   decides instead.
 - `FullAnswers`: a backend's own 429 (refused, not started): one other
   backend may be tried within the retry budget; when none takes it, one
-  429 whose Retry-After is the soonest any of them expects room. The
-  gateway and the Ray ingress both follow it.
+  429 whose Retry-After is the soonest any of them expects room.
+
+Pure Python, clock injected; no HTTP.
 """
 
 from __future__ import annotations

@@ -103,6 +103,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "(kvserve.fleet.router; least-queue is least-loaded)")
     sim.add_argument("--no-admission", action="store_true",
                      help="send every request straight to the scheduler (the no-front-door baseline)")
+    sim.add_argument("--no-fleet-door", action="store_true",
+                     help="replicas behind a plain load balancer instead of kvserve gateway: no refusal "
+                          "for the whole fleet, a replica's 429 goes to the client (default: more than one "
+                          "replica runs behind the gateway's front door, kvserve.fleet.door)")
     sim.add_argument("--autoscale-max-replicas", type=int, default=None,
                      help="autoscale by kvserve's policy (fleet.autoscale, as kvserve ray), up to this many "
                           "replicas")
@@ -235,7 +239,8 @@ def sim_config(args: argparse.Namespace, spec: ModelSpec, num_blocks: int) -> Si
                           enable_prefix_caching=not args.no_prefix_caching),
         admission=admission, num_replicas=args.replicas[0], router=args.router, autoscale=autoscale,
         frontend_latency_s=args.frontend_latency_ms / 1000.0, speculation=sim_speculation(args),
-        losses=tuple(args.fail_replica), slowdowns=tuple(args.slow_replica))
+        losses=tuple(args.fail_replica), slowdowns=tuple(args.slow_replica),
+        front_door=False if args.no_fleet_door else None)
 
 
 def sim_speculation(args: argparse.Namespace, seed: int | None = None) -> SimSpeculation | None:
@@ -299,6 +304,8 @@ def _simulate_and_report(args: argparse.Namespace, config: SimConfig, cost_model
         "num_steps": result.num_steps, "simulated_s": result.duration_s, "wall_s": wall_s,
         "exact_token_events": exact, "requests_sampled_every": 1, "requests_omitted": 0,
         "failures": describe_failures(config.losses, config.slowdowns), "num_rerouted": result.num_rerouted,
+        "front_door": {"on": config.has_front_door(), "refused": result.num_door_refused,
+                       "resent_on_429": result.num_door_resent},
         "core": compiled.status()["core"]}
     rows_every = report_rows_every(len(result.records))
     if rows_every > 1:
@@ -360,6 +367,12 @@ def _run_headroom(args: argparse.Namespace, config: SimConfig, cost_model: CostM
     return 0
 
 
+def _door_text(door: dict | None) -> str:
+    if not door or not door["on"]:
+        return ""
+    return f", front door: {door['refused']} refused there, {door['resent_on_429']} replicas' 429s sent on"
+
+
 def _format_simulation(sim: dict) -> str:
     replicas = sim["replicas"]
     preemptions = sum(r["num_preemptions"] for r in replicas)
@@ -368,7 +381,8 @@ def _format_simulation(sim: dict) -> str:
     kind = sim["cost_model"]["kind"]
     return (f"simulated {sim['simulated_s']:.1f} s on {len(replicas)} replica(s) "
             f"({kind} cost model, {sim['num_blocks']} KV blocks each, router {sim['router']}, "
-            f"admission {'on' if sim['admission'] else 'off'}) in {sim['wall_s']:.1f} s wall "
+            f"admission {'on' if sim['admission'] else 'off'}{_door_text(sim.get('front_door'))}) "
+            f"in {sim['wall_s']:.1f} s wall "
             f"(core: {sim['core']}): "
             f"{sim['num_steps']} steps, {preemptions} preemptions, prefix hits "
             f"{hits / queries if queries else 0:.1%} of prompt tokens")

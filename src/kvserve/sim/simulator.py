@@ -6,8 +6,12 @@ is a `scheduler.Scheduler` plus an `admission.AdmissionLoop`, handed its
 `VirtualClock`, and a cost model stands in for the torch runner. The event
 loop moves time forward and hands each event to its replica:
 
-    arrival   -> router picks a ready replica -> the replica's admission
-                 decides -> scheduler.add_request (or a rejected record)
+    arrival   -> a fleet's front door (fleet/door.py, as the gateway's:
+                 429 when no ready replica could start it in time) ->
+                 router picks a ready replica -> the replica's admission
+                 decides -> scheduler.add_request (or its 429: the door
+                 tries one other replica within the retry budget; else
+                 a rejected record)
     step      -> the replica's step ends: scheduler.update() at that time
                  with a fixed sampled token, then its next step starts
     cancel    -> scheduler.abort() (the client's cancel_after_s)
@@ -36,7 +40,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
-from kvserve.admission.decision import Reason
+from kvserve.admission.decision import AdmissionDecision, Reason
+from kvserve.admission.retry_after import ReturnSlots
 from kvserve.bench.report import RequestRecord
 from kvserve.bench.workload import RequestSpec
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
@@ -44,8 +49,10 @@ from kvserve.contract import Request, RequestFactory, SamplingParams
 from kvserve.fleet.autoscale import ReplicaSignals, ScaleState, decide
 from kvserve.fleet.autoscale import AutoscaleConfig as FleetAutoscaleConfig
 from kvserve.fleet.backend_state import expected_wait_s, snapshot
+from kvserve.fleet.door import FleetQuotas, FullAnswers, wait_refusal
 from kvserve.fleet.router import Router, RouterConfig, RouteRequest, affinity_key
 from kvserve.gc_pause import cyclic_gc_paused
+from kvserve.server.tenants import DEFAULT_TENANT, Tenant, TenantDirectory
 from kvserve.sim.clock import VirtualClock
 from kvserve.sim.cost_model import CostModel
 from kvserve.sim.failures import ReplicaLoss, ReplicaSlowdown, check_failures
@@ -127,6 +134,14 @@ class SimConfig:
     proposer cost (sim/speculation.py); single steps only.
     losses, slowdowns: failure scenarios (sim/failures.py) of the replicas
     the simulation starts with.
+    front_door: run the fleet's front door (fleet/door.py) before routing,
+    as `kvserve gateway` and the Ray ingress do: a request no ready replica
+    could start within its class's queue-wait limit is refused there, and a
+    replica's 429 is tried on one other replica within the retry budget.
+    The door takes the replicas' AdmissionConfig (its queue-wait limits and
+    retry budget). None: on for a fleet (more than one replica, or
+    autoscaling), off for one replica (`kvserve serve` alone); never
+    without admission.
     """
 
     scheduler: SchedulerConfig
@@ -144,6 +159,7 @@ class SimConfig:
     speculation: SimSpeculation | None = None
     losses: tuple[ReplicaLoss, ...] = ()
     slowdowns: tuple[ReplicaSlowdown, ...] = ()
+    front_door: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.frontend_latency_s >= 0:
@@ -155,6 +171,13 @@ class SimConfig:
 
     def routing(self) -> RouterConfig:
         return self.router_config or RouterConfig(policy=self.router)
+
+    def has_front_door(self) -> bool:
+        if self.admission is None:
+            return False
+        if self.front_door is not None:
+            return self.front_door
+        return self.num_replicas > 1 or self.autoscale is not None
 
 
 @dataclass
@@ -182,6 +205,10 @@ class SimResult:
     scale_trace: list[tuple] = field(default_factory=list)
     # Requests a lost replica had not started streaming, sent to another one.
     num_rerouted: int = 0
+    # The front door's work (SimConfig.front_door): refused before any
+    # replica was asked, and replicas' 429s tried on another replica.
+    num_door_refused: int = 0
+    num_door_resent: int = 0
 
 
 def synth_prompt(spec: RequestSpec) -> list[int]:
@@ -232,6 +259,18 @@ class Simulator(ReplicaHost):
         # immutable (validated once).
         self._sampling_params: dict[int, SamplingParams] = {}
         self._all_ready_s = 0.0  # every replica serves from this time on
+        # The fleet's front door, on the simulation's clock (one tenant: the
+        # simulated workload's tenants have no limits of their own).
+        self._door: FleetQuotas | None = None
+        if config.has_front_door():
+            admission = config.admission
+            assert admission is not None  # has_front_door
+            self._door = FleetQuotas(TenantDirectory(), admission.retry_budget, admission.retry_budget_burst,
+                                     self.clock)
+        self._door_tenant = Tenant(DEFAULT_TENANT)
+        self._return_slots = ReturnSlots(self.clock)
+        self._num_door_refused = 0
+        self._num_door_resent = 0
 
     def _new_replica(self, index: int, clock: VirtualClock, ready_s: float) -> Replica:
         config = self.config
@@ -276,7 +315,8 @@ class Simulator(ReplicaHost):
                          if self.config.record_trace else None,
                          sum(r.num_decode_runs for r in self.replicas),
                          sum(r.num_joined_steps for r in self.replicas), self._route_trace,
-                         scale_trace=self._scale_trace, num_rerouted=self._num_rerouted)
+                         scale_trace=self._scale_trace, num_rerouted=self._num_rerouted,
+                         num_door_refused=self._num_door_refused, num_door_resent=self._num_door_resent)
 
     def _loop(self, specs: list[RequestSpec], offsets_s: list[float]) -> None:
         next_arrival = 0
@@ -321,8 +361,9 @@ class Simulator(ReplicaHost):
         self._send(spec, self.clock.now_s - self.config.frontend_latency_s, True)
 
     def _send(self, spec: RequestSpec, sent_s: float, first: bool) -> None:
-        """The request reaches a replica now (its first send, or a reroute
-        from a lost one): routed, then the replica's admission."""
+        """The request reaches the fleet now (its first send, or a reroute
+        from a lost one): the front door (a fleet's), routed, then the
+        replica's admission; a replica's 429 may be tried on one other."""
         now = self.clock.now_s
         # The router reads every ready replica's load as of now; only the
         # chosen one's decode run needs its steps applied.
@@ -333,23 +374,64 @@ class Simulator(ReplicaHost):
             else:
                 self._lost(spec, sent_s, None, 502, ALL_FAILED)
             return
+        door = self._door
+        if door is not None and first:
+            refusal = self._door_refusal(door, spec, ready)
+            if refusal is not None:
+                self._num_door_refused += 1
+                self._reject(spec, refusal.status, refusal.reason, refusal.message, sent_s)
+                return
         prompt = synth_prompt(spec)
-        replica = self._route(ready, spec, prompt)
-        replica.num_routed += 1
-        replica.catch_up()
-        replica.clock.advance_to(now)
-        replica.drain.observe(now, replica.num_finished, True)
-        request = self._requests.build(prompt, self._params(spec.output_tokens),
-                                       request_id=f"r{spec.index}", arrival_time=now, priority=spec.priority,
-                                       tenant=spec.tenant)
-        refusal = replica.add(request)
-        if refusal is not None:
+        full: FullAnswers | None = None
+        while True:
+            replica = self._route(ready, spec, prompt)
+            replica.num_routed += 1
+            replica.catch_up()
+            replica.clock.advance_to(now)
+            replica.drain.observe(now, replica.num_finished, True)
+            request = self._requests.build(prompt, self._params(spec.output_tokens),
+                                           request_id=f"r{spec.index}", arrival_time=now, priority=spec.priority,
+                                           tenant=spec.tenant)
+            refusal = replica.add(request)
+            if refusal is None:
+                break
+            if door is not None and refusal.status == 429:
+                # The gateway's rule for a backend's own 429 (not started):
+                # one other replica, within the fleet's retry budget.
+                full = full if full is not None else FullAnswers()
+                full.record(refusal.retry_after_s, refusal.reason)
+                ready = [r for r in ready if r is not replica]
+                if full.may_try_another(len(ready), door):
+                    self._num_door_resent += 1
+                    continue
+            self._door_finish(spec)
             self._reject(spec, refusal.status, refusal.reason, refusal.message, sent_s)
             return
         self._live[request.request_id] = _Live(spec, replica, request, sent_s)
         if first and spec.cancel_after_s is not None:
             self._push(now + spec.cancel_after_s, _CANCEL, request.request_id)
         replica.start_if_idle()
+
+    def _door_refusal(self, door: FleetQuotas, spec: RequestSpec, ready: list[Replica]) -> AdmissionDecision | None:
+        """The front door's decision on a new request (gateway/service.py's
+        order): the fleet's quotas and retry budget, then 429 when no ready
+        replica could start it within its class's queue-wait limit."""
+        refusal = door.admit(f"r{spec.index}", self._door_tenant, spec.prompt_tokens, spec.output_tokens, False)
+        if refusal is not None:
+            return refusal
+        for r in ready:  # the door reads every replica's waits and KV as of now
+            r.catch_up()
+        admission = self.config.admission
+        assert admission is not None  # a door runs only with admission
+        refusal = wait_refusal(ready, spec.prompt_tokens + spec.output_tokens, admission.max_wait_s(spec.priority),
+                               self._return_slots)
+        if refusal is not None:
+            door.on_finish(f"r{spec.index}")
+        return refusal
+
+    def _door_finish(self, spec: RequestSpec) -> None:
+        if self._door is not None:
+            self._door.on_finish(f"r{spec.index}")
 
     def _route(self, ready: list[Replica], spec: RequestSpec, prompt: list[int]) -> Replica:
         """The gateway's routing policy over the ready replicas. Policies that
@@ -402,6 +484,7 @@ class Simulator(ReplicaHost):
         if live is None:
             return
         replica, request, spec = live.replica, live.request, live.spec
+        self._door_finish(spec)
         replica.num_finished += 1
         scheduler = replica.scheduler
         replica.drain.observe(replica.clock.now_s, replica.num_finished,
@@ -451,6 +534,7 @@ class Simulator(ReplicaHost):
     def _lost(self, spec: RequestSpec, sent_s: float, request: Request | None, status: int, message: str) -> None:
         """A request the failure ended (outcome error): with the tokens it had
         streamed, if any."""
+        self._door_finish(spec)
         tokens = () if request is None else self._token_events(request.timestamps.token_times)
         self._records.append(RequestRecord(
             index=spec.index, outcome="error", scheduled_s=sent_s, sent_s=sent_s,

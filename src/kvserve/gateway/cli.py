@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 
+from kvserve.config import AdmissionConfig
 from kvserve.fleet.router import ROUTERS
 
 
@@ -40,12 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "(as kvserve serve's); quotas are counted once for the whole fleet")
     http.add_argument("--retry-budget", type=float, default=None,
                       help="retries (clients' and the gateway's re-sends after a backend's 429) allowed per "
-                           "admitted request, for the fleet (fraction; default 0.1)")
+                           f"admitted request, for the fleet (fraction; default {AdmissionConfig.retry_budget:g})")
     http.add_argument("--max-queue-wait", type=float, default=None,
                       help="refuse (429 + Retry-After) before asking any backend when none could start the "
-                           "request within this (seconds; default 1; priority > 0: --deferred-max-queue-wait)")
+                           f"request within this (seconds; default {AdmissionConfig.max_queue_wait_s:g}; priority > 0: "
+                           "--deferred-max-queue-wait)")
     http.add_argument("--deferred-max-queue-wait", type=float, default=None,
-                      help="the same limit for deferred classes (seconds; default 8)")
+                      help=f"the same limit for deferred classes (seconds; default "
+                           f"{AdmissionConfig.deferred_max_queue_wait_s:g})")
     http.add_argument("--state-dir", default=None, metavar="DIR",
                       help="where the Batch API's SQLite database lives; accepted batches survive a restart "
                            "(default: ./kvserve-gateway-state)")

@@ -34,9 +34,10 @@ NOT_FOR_BENCH = ("engine", "model", "runner", "server", "scheduler", "kv_cache",
 # `kvserve profile`, which times the real engine, lives in engine/).
 EXEMPT: dict[str, str] = {}
 # The gateway fronts servers over HTTP and reuses the server's torch-free
-# front, never its engine: the OpenAI wire format, the API keys file and the
-# SIGTERM drain (gateway is in TORCH_FREE, so these may not reach torch).
-SERVER_FRONT = ("kvserve.server.protocol", "kvserve.server.tenants", "kvserve.server.draining")
+# front, never its engine: the OpenAI wire format and the SIGTERM drain
+# (gateway is in TORCH_FREE, so these may not reach torch). The API keys
+# file is admission's (admission/tenants.py), read by servers and fronts.
+SERVER_FRONT = ("kvserve.server.protocol", "kvserve.server.draining")
 # On Ray, a model replica hosts one whole server (serve's engine, admission
 # and app) and `kvserve ray` takes serve's flags; the rest of ray/ (the
 # ingress, router, autoscaling) is a fleet front like the gateway.

@@ -25,8 +25,8 @@ from kvserve.gateway.cli import add_arguments, build_config
 from kvserve.gateway.inbound import read_inbound
 from kvserve.gateway.pools import AliasPolicy
 from kvserve.metrics import ServerMetrics
-from kvserve.server.tenants import Tenant, TenantDirectory
-from kvserve.server.tenants import TenantLimits
+from kvserve.admission.tenants import Tenant, TenantDirectory
+from kvserve.admission.tenants import TenantLimits
 
 
 class Clock:

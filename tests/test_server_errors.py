@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 
 from kvserve.config import ServerConfig
 from kvserve.server.routes import router
-from kvserve.server.tenants import TenantDirectory
+from kvserve.admission.tenants import TenantDirectory
 from tests.server_helpers import MODEL_NAME, live_server, tiny_core
 
 MAX_MODEL_LEN = 256

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from kvserve.server.tenants import TenantDirectory
+from kvserve.admission.tenants import TenantDirectory
 from tests.load_helpers import after, body, metric, run_clients, scrape, stream_one, wait_until, warm_up
 from tests.server_helpers import live_server, slow_steps, tiny_core
 

@@ -42,7 +42,7 @@ from kvserve.gateway.metrics import DEFER, LADDER, GatewayMetrics
 from kvserve.gateway.pools import AliasPolicy, Pool
 from kvserve.gateway.scrape import Scraper
 from kvserve.server import protocol
-from kvserve.server.tenants import Tenant
+from kvserve.admission.tenants import Tenant
 
 log = logging.getLogger(__name__)
 

@@ -158,7 +158,7 @@ def build_serving(args: argparse.Namespace, phases=None):
         from kvserve.engine.core import EngineCore
         from kvserve.model.loader import load_model
         from kvserve.server.serving import Serving
-        from kvserve.server.tenants import TenantDirectory
+        from kvserve.admission.tenants import TenantDirectory
 
     tenants = TenantDirectory.from_file(args.api_keys) if args.api_keys else TenantDirectory()
     if args.simulate:

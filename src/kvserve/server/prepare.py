@@ -32,7 +32,7 @@ from kvserve.contract import InvalidParameter, ResolvedVersions, SamplingParams,
 from kvserve.server import protocol
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.prompts import chat_prompt_ids, completion_prompt_ids, in_vocab
-from kvserve.server.tenants import Tenant
+from kvserve.admission.tenants import Tenant
 from kvserve.server.tools import ToolSet
 
 Kind = Literal["completion", "chat"]

@@ -23,7 +23,7 @@ from kvserve.server.protocol import (
     UnloadLoraAdapterRequest,
 )
 from kvserve.server.serving import Serving
-from kvserve.server.tenants import Tenant
+from kvserve.admission.tenants import Tenant
 
 router = APIRouter()
 _ERRORS = {

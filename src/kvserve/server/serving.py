@@ -42,7 +42,7 @@ from kvserve.server.prepare import Kind, ModelLimits, PreparedRequest, RequestCl
 from kvserve.server.prompts import chat_prompt_ids, completion_prompt_ids, detokenize_body, tokenize_body
 from kvserve.server.streaming import Choice
 from kvserve.server.tools import ToolSet
-from kvserve.server.tenants import Tenant, TenantDirectory
+from kvserve.admission.tenants import Tenant, TenantDirectory
 from kvserve.server.transport import reader_stalled
 from kvserve.startup import StartupPhases
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvserve.admission.tenants import TenantDirectory
 from kvserve.config import AdmissionConfig, ServerConfig
 from kvserve.server.cli import _add_lora_arguments, load_lora_modules, serve
 from kvserve.server.serving import Serving
-from kvserve.admission.tenants import TenantDirectory
 from tests.server_helpers import MODEL_NAME, slow_steps, tiny_core
 
 if __name__ == "__main__":

@@ -12,13 +12,13 @@ import uvicorn
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
+from kvserve.admission.tenants import TenantDirectory
 from kvserve.config import AdmissionConfig, ServerConfig
 from kvserve.contract import ResolvedVersions
 from kvserve.engine.core import EngineConfig, EngineCore
 from kvserve.model_facts.tokenizer import Tokenizer
 from kvserve.server.app import create_app
 from kvserve.server.serving import Serving
-from kvserve.admission.tenants import TenantDirectory
 from kvserve.server.transport import ConnectionLimits, uvicorn_config
 from tests.tiny_models import model_config_of, tiny_llama, weights_of
 

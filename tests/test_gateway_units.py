@@ -14,19 +14,19 @@ import time
 
 import pytest
 
+from kvserve.admission.quotas import TenantLimits
+from kvserve.admission.retry_after import ReturnSlots
+from kvserve.admission.tenants import Tenant, TenantDirectory
 from kvserve.fleet.autoscale import desired_replicas
 from kvserve.fleet.backend_state import BackendState
-from kvserve.gateway import config as gw
-from kvserve.admission.retry_after import ReturnSlots
 from kvserve.fleet.door import FleetQuotas, wait_refusal
+from kvserve.gateway import config as gw
 from kvserve.gateway.backends import CLOSED, HALF_OPEN, OPEN, BackendView, CircuitBreaker, parse_metrics
 from kvserve.gateway.batches import BatchStore
 from kvserve.gateway.cli import add_arguments, build_config
 from kvserve.gateway.inbound import read_inbound
 from kvserve.gateway.pools import AliasPolicy
 from kvserve.metrics import ServerMetrics
-from kvserve.admission.tenants import Tenant, TenantDirectory
-from kvserve.admission.tenants import TenantLimits
 
 
 class Clock:

@@ -11,9 +11,9 @@ import pytest
 from fastapi import FastAPI
 from hypothesis import HealthCheck, settings
 
+from kvserve.admission.tenants import TenantDirectory
 from kvserve.config import ServerConfig
 from kvserve.server.routes import router
-from kvserve.admission.tenants import TenantDirectory
 from tests.server_helpers import MODEL_NAME, live_server, tiny_core
 
 MAX_MODEL_LEN = 256

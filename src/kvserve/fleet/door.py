@@ -35,8 +35,8 @@ from pathlib import Path
 from kvserve.admission.decision import AdmissionDecision, Reason, reject, whole_seconds
 from kvserve.admission.quotas import RetryBudget, TenantQuotas
 from kvserve.admission.retry_after import ReturnSlots, earliest_return_s
-from kvserve.fleet.backend_state import DRAIN_WINDOW_S, BackendLoad, expected_wait_s, kv_binds
 from kvserve.admission.tenants import Tenant, TenantDirectory
+from kvserve.fleet.backend_state import DRAIN_WINDOW_S, BackendLoad, expected_wait_s, kv_binds
 
 
 class FleetQuotas:

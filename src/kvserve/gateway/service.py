@@ -30,10 +30,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from kvserve.admission.decision import AdmissionDecision, Outcome
+from kvserve.admission.tenants import Tenant
 from kvserve.fleet.backend_state import expected_wait_s
+from kvserve.fleet.door import FleetQuotas, FullAnswers, Saturated, wait_refusal
 from kvserve.fleet.router import RouteDecision, RouteRequest, affinity_key
 from kvserve.gateway import proxy
-from kvserve.fleet.door import FleetQuotas, FullAnswers, Saturated, wait_refusal
 from kvserve.gateway.backends import BackendView, Sent
 from kvserve.gateway.batches import BatchRunner, BatchStore, PendingLine, RetryLater
 from kvserve.gateway.config import CAP_MAX_TOKENS, DEFERRED, REJECT, SMALLER_MODEL, GatewayConfig
@@ -42,7 +43,6 @@ from kvserve.gateway.metrics import DEFER, LADDER, GatewayMetrics
 from kvserve.gateway.pools import AliasPolicy, Pool
 from kvserve.gateway.scrape import Scraper
 from kvserve.server import protocol
-from kvserve.admission.tenants import Tenant
 
 log = logging.getLogger(__name__)
 

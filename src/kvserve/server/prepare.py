@@ -27,12 +27,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from kvserve.admission.tenants import Tenant
 from kvserve.config import AdmissionConfig
 from kvserve.contract import InvalidParameter, ResolvedVersions, SamplingParams, StructuredOutput
 from kvserve.server import protocol
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.prompts import chat_prompt_ids, completion_prompt_ids, in_vocab
-from kvserve.admission.tenants import Tenant
 from kvserve.server.tools import ToolSet
 
 Kind = Literal["completion", "chat"]

@@ -9,6 +9,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
+from kvserve.admission.tenants import Tenant
 from kvserve.dashboard import dashboard_page
 from kvserve.metrics import CONTENT_TYPE_LATEST
 from kvserve.server.errors import APIError
@@ -23,7 +24,6 @@ from kvserve.server.protocol import (
     UnloadLoraAdapterRequest,
 )
 from kvserve.server.serving import Serving
-from kvserve.admission.tenants import Tenant
 
 router = APIRouter()
 _ERRORS = {

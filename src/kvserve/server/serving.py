@@ -29,6 +29,7 @@ from kvserve.admission.decision import AdmissionDecision, Outcome, whole_seconds
 from kvserve.admission.loop import AdmissionLoop
 from kvserve.admission.step_limits import StepLimits
 from kvserve.admission.step_time import MIN_FIT_STEPS
+from kvserve.admission.tenants import Tenant, TenantDirectory
 from kvserve.config import AdmissionConfig, ServerConfig
 from kvserve.contract import InvalidParameter, ResolvedVersions
 from kvserve.engine.async_engine import AsyncEngine, Finished, StepReport
@@ -42,7 +43,6 @@ from kvserve.server.prepare import Kind, ModelLimits, PreparedRequest, RequestCl
 from kvserve.server.prompts import chat_prompt_ids, completion_prompt_ids, detokenize_body, tokenize_body
 from kvserve.server.streaming import Choice
 from kvserve.server.tools import ToolSet
-from kvserve.admission.tenants import Tenant, TenantDirectory
 from kvserve.server.transport import reader_stalled
 from kvserve.startup import StartupPhases
 

@@ -42,6 +42,7 @@ from typing import Any, Final
 
 from kvserve.admission.decision import AdmissionDecision, Reason
 from kvserve.admission.retry_after import ReturnSlots
+from kvserve.admission.tenants import DEFAULT_TENANT, Tenant, TenantDirectory
 from kvserve.bench.report import RequestRecord
 from kvserve.bench.workload import RequestSpec
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
@@ -52,7 +53,6 @@ from kvserve.fleet.backend_state import expected_wait_s, snapshot
 from kvserve.fleet.door import FleetQuotas, FullAnswers, wait_refusal
 from kvserve.fleet.router import Router, RouterConfig, RouteRequest, affinity_key
 from kvserve.gc_pause import cyclic_gc_paused
-from kvserve.admission.tenants import DEFAULT_TENANT, Tenant, TenantDirectory
 from kvserve.sim.clock import VirtualClock
 from kvserve.sim.cost_model import CostModel
 from kvserve.sim.failures import ReplicaLoss, ReplicaSlowdown, check_failures

@@ -367,8 +367,8 @@ def _run_headroom(args: argparse.Namespace, config: SimConfig, cost_model: CostM
     return 0
 
 
-def _door_text(door: dict | None) -> str:
-    if not door or not door["on"]:
+def _door_text(door: dict) -> str:
+    if not door["on"]:
         return ""
     return f", front door: {door['refused']} refused there, {door['resent_on_429']} replicas' 429s sent on"
 
@@ -381,7 +381,7 @@ def _format_simulation(sim: dict) -> str:
     kind = sim["cost_model"]["kind"]
     return (f"simulated {sim['simulated_s']:.1f} s on {len(replicas)} replica(s) "
             f"({kind} cost model, {sim['num_blocks']} KV blocks each, router {sim['router']}, "
-            f"admission {'on' if sim['admission'] else 'off'}{_door_text(sim.get('front_door'))}) "
+            f"admission {'on' if sim['admission'] else 'off'}{_door_text(sim['front_door'])}) "
             f"in {sim['wall_s']:.1f} s wall "
             f"(core: {sim['core']}): "
             f"{sim['num_steps']} steps, {preemptions} preemptions, prefix hits "

@@ -560,40 +560,64 @@ def test_prompt_rows_attend_the_same_whichever_rows_share_their_tiles():
 
 @needs_prompt_tiles
 @pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
-def test_prompt_tiles_keep_batch_invariance_preemption_and_the_one_call_step(qtype):
-    """With prompt tiles, a request's tokens are the same alone or in a crowd,
-    with or without being preempted (its generated tokens, computed again,
-    stay on the quantized kernels: the rule is the position, not the step),
-    and the one-call native step equals the layer-by-layer path. (What the
-    tiles do to the numbers: test_prompt_tiles_compute_the_bfloat16_product...;
+def test_batch_invariant_tiles_keep_tokens_alone_crowded_preempted_and_in_the_one_call_step(qtype):
+    """With the tiles and batch_invariant, a request's tokens and logprobs
+    are the same alone or in a crowd, with or without being preempted (its
+    prompt positions always on the tiles, its generated tokens, computed
+    again, never: the rule is the position, not the step), and the one-call
+    native step equals the layer-by-layer path. With a 48-token budget, a
+    request's decode rows run alone in 1-row steps and in a crowd beside
+    other prompts' chunks in steps of 36-48 rows, where the default rule
+    (TILES_MIN_ROWS) puts them on the tiles: its logprobs would differ. (What the tiles
+    do to the numbers: test_prompt_tiles_compute_the_bfloat16_product...;
     to the default model's tokens: test_quantized_default_model_agrees_with_the_float_path.)"""
     from kvserve.contract import SamplingParams
     from tests.tiny_models import random_prompts, run_to_completion, tiny_engine, tiny_llama
 
     hf = tiny_llama(seed=9)
-    params = SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True)
-    prompts = random_prompts([20, 19, 18, 20], seed=15)
-    # A 24-token budget: prompts go in chunks beside other requests' decodes. A float32
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True, logprobs=0)
+    prompts = random_prompts([40, 19, 36, 33], seed=15)
+    # A 48-token budget: prompts go in chunks beside other requests' decodes. A float32
     # cache: num_blocks below counts its blocks.
-    fields = dict(quantization=qtype, prefill_weights="bf16", enable_prefix_caching=False, max_num_batched_tokens=24,
-                  kv_cache_dtype="float32")
+    fields = dict(quantization=qtype, prefill_weights="bf16", batch_invariant=True, enable_prefix_caching=False,
+                  max_num_batched_tokens=48, kv_cache_dtype="float32")
+
+    def run(engine, batch: list) -> list:
+        """(tokens, their logprobs) per prompt of the batch."""
+        return [(o.token_ids, [lp.logprob for lp in o.logprobs])
+                for o in run_to_completion(engine, batch, params).values()]
+
     engine = tiny_engine(hf, **fields)
     assert engine.runner.model.prompt_rows_last
-    alone = [list(run_to_completion(engine, [p], params).values())[0].token_ids for p in prompts]
-    crowded = run_to_completion(engine, prompts, params)
-    assert [o.token_ids for o in crowded.values()] == alone
-    # 4 requests of 20 + 12 tokens need 8 blocks each; 16 blocks hold two.
-    small = tiny_engine(hf, num_blocks=16, **fields)
-    preempted = run_to_completion(small, prompts, params)
+    alone = [run(engine, [p])[0] for p in prompts]
+    assert run(engine, prompts) == alone
+    # 4 requests of 33-40 + 12 tokens need 12-13 blocks each; 26 blocks hold two.
+    small = tiny_engine(hf, num_blocks=26, **fields)
+    assert run(small, prompts) == alone
     assert small.scheduler.stats().num_preemptions > 0
-    assert [o.token_ids for o in preempted.values()] == alone
     per_op = tiny_engine(hf, **fields)
     per_op.runner.model.native_decode = None
     splits, forward = [], per_op.runner.model.forward
     per_op.runner.model.forward = lambda ids, caches, meta, lora=None: (
         splits.append((meta.bf16_rows_from, len(ids))) or forward(ids, caches, meta, lora))
-    assert [o.token_ids for o in run_to_completion(per_op, prompts, params).values()] == alone
+    assert run(per_op, prompts) == alone
     assert any(0 < first < num_rows for first, num_rows in splits), splits  # steps of both kinds of row
+
+
+def test_tiles_take_every_row_of_a_large_step_or_by_batch_invariant_the_prompt_rows():
+    """tiles_from: by default a step's size decides (every row from
+    TILES_MIN_ROWS on, none under it); batch_invariant: the prompt rows,
+    however few; a model without tiles (prompt_from None): none."""
+    from kvserve.model.quantized import TILES_MIN_ROWS, tiles_from
+
+    n = TILES_MIN_ROWS
+    assert tiles_from(n, n) == 0  # decode rows only: all on the tiles
+    assert tiles_from(n - 1, n - 1) is None
+    assert tiles_from(n, 0) == 0 and tiles_from(n + 5, 3) == 0  # prompt rows with decode rows beside
+    assert tiles_from(n - 1, 0) is None  # a small prompt chunk stays quantized
+    assert tiles_from(4, 1, batch_invariant=True) == 1  # prompt rows 1-3, however few
+    assert tiles_from(2 * n, 2 * n, batch_invariant=True) is None  # generated rows never
+    assert tiles_from(2 * n, None) is None and tiles_from(2 * n, None, batch_invariant=True) is None
 
 
 def test_prompt_rows_go_last_by_position_and_sampled_rows_follow():
@@ -693,44 +717,53 @@ def test_prefill_weights_refuse_what_cannot_apply():
 # ---- the quantized engine end to end -----------------------------------------------
 
 def test_seeded_sampling_is_reproducible_across_batch_compositions():
+    """batch_invariant: a seeded request's tokens and logprobs, bit for bit,
+    alone and among others (a step of 69 prompt rows: the default rule puts
+    such a step on the tiles where the CPU has them, and a 19-row one not)."""
     from kvserve.contract import SamplingParams
     from tests.tiny_models import random_prompts, run_to_completion, tiny_engine, tiny_llama
 
     hf = tiny_llama(seed=3)
-    params = SamplingParams(max_tokens=10, temperature=1.0, seed=1234, ignore_eos=True)
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=1234, ignore_eos=True, logprobs=0)
     prompt = random_prompts([19], seed=5)[0]
     others = random_prompts([7, 31, 12], seed=6)
-    alone = run_to_completion(tiny_engine(hf, quantization="q8_0"), [prompt], params)
-    engine = tiny_engine(hf, quantization="q8_0")
+    alone = list(run_to_completion(tiny_engine(hf, quantization="q8_0", batch_invariant=True), [prompt],
+                                   params).values())[0]
+    engine = tiny_engine(hf, quantization="q8_0", batch_invariant=True)
     assert isinstance(engine.runner.model.layers[0].qkv, QuantizedWeight)
-    crowded = run_to_completion(engine, others[:2] + [prompt] + others[2:], params)
-    assert list(alone.values())[0].token_ids == list(crowded.values())[2].token_ids
+    crowded = list(run_to_completion(engine, others[:2] + [prompt] + others[2:], params).values())[2]
+    assert alone.token_ids == crowded.token_ids
+    assert [lp.logprob for lp in alone.logprobs] == [lp.logprob for lp in crowded.logprobs]
 
 
-@pytest.mark.parametrize("qtype, prefill_weights", [
-    ("q4_1", "none"), ("q8_0", "none"),
-    pytest.param("q4_1", "bf16", marks=needs_prompt_tiles), pytest.param("q8_0", "bf16", marks=needs_prompt_tiles)])
-def test_native_decode_step_is_bit_identical_to_the_layer_by_layer_path(qtype, prefill_weights, monkeypatch):
+@pytest.mark.parametrize("qtype, prefill_weights, batch_invariant", [
+    ("q4_1", "none", False), ("q8_0", "none", False),
+    pytest.param("q4_1", "bf16", False, marks=needs_prompt_tiles),
+    pytest.param("q8_0", "bf16", False, marks=needs_prompt_tiles),
+    pytest.param("q4_1", "bf16", True, marks=needs_prompt_tiles)])
+def test_native_decode_step_is_bit_identical_to_the_layer_by_layer_path(qtype, prefill_weights, batch_invariant,
+                                                                        monkeypatch):
     """Steps run all layers in one native call (kvq_decode_layers); the
     hidden states it hands the LM head equal the per-op path's exactly. With
-    the prompt tiles, the one call takes a prompt's MLP in one pass
-    (kvq_prompt_mlp: SwiGLU written straight into the down projection's
-    tiles) where the per-op path goes through the float32 gate_up rows: a
-    48-token budget gives steps of 48 prompt rows (whole and partial 32-row
-    tiles), steps of decode rows beside a prompt's chunk, and a step whose
-    11 prompt rows are too few for the tiles (PROMPT_TILES_MIN_ROWS): its
-    matmuls take the quantized blocks while its prompt rows still attend on
-    AMX-BF16."""
+    the tiles, the one call takes an MLP in one pass (kvq_prompt_mlp: SwiGLU
+    written straight into the down projection's tiles) where the per-op path
+    goes through the float32 gate_up rows: a 48-token budget gives steps of
+    48 prompt rows (whole and partial 32-row tiles), steps of decode rows
+    beside a prompt's chunk (on the tiles with it by default), and steps of
+    11 prompt rows and a few decode rows, too few for the tiles by default
+    (TILES_MIN_ROWS: the matmuls take the quantized blocks while the prompt
+    rows still attend on AMX-BF16); with batch_invariant, exactly the prompt
+    rows take the tiles in every step."""
     import kvserve.model.llama as llama_module
     from kvserve.contract import SamplingParams
-    from kvserve.model.quantized import PROMPT_TILES_MIN_ROWS, tiles_from
+    from kvserve.model.quantized import TILES_MIN_ROWS, tiles_from
     from tests.tiny_models import random_prompts, run_to_completion, tiny_engine, tiny_llama
 
-    splits = []  # (prompt rows, whether the matmuls took the tiles): each step, each layer on the per-op path
+    splits = []  # (rows, prompt rows, first row on the tiles): each step, each layer on the per-op path
 
-    def recorded_tiles_from(num_rows: int, prompt_from: int | None) -> int | None:
-        split = tiles_from(num_rows, prompt_from)
-        splits.append((0 if prompt_from is None else num_rows - prompt_from, split is not None))
+    def recorded_tiles_from(num_rows: int, prompt_from: int | None, invariant: bool = False) -> int | None:
+        split = tiles_from(num_rows, prompt_from, invariant)
+        splits.append((num_rows, 0 if prompt_from is None else num_rows - prompt_from, split))
         return split
 
     monkeypatch.setattr(llama_module, "tiles_from", recorded_tiles_from)
@@ -740,7 +773,8 @@ def test_native_decode_step_is_bit_identical_to_the_layer_by_layer_path(qtype, p
     prompts = random_prompts([5, 13, 9, 37, 40], seed=7)
     hidden_by_path = {}
     for native in (True, False):
-        engine = tiny_engine(hf, quantization=qtype, prefill_weights=prefill_weights, max_num_batched_tokens=48)
+        engine = tiny_engine(hf, quantization=qtype, prefill_weights=prefill_weights, batch_invariant=batch_invariant,
+                             max_num_batched_tokens=48)
         model = engine.runner.model
         assert model.prompt_rows_last == (prefill_weights == "bf16")
         assert model.native_decode is not None
@@ -753,10 +787,13 @@ def test_native_decode_step_is_bit_identical_to_the_layer_by_layer_path(qtype, p
     assert len(hidden_by_path[True]) == len(hidden_by_path[False]) > 3  # a prefill, then decode steps
     for native, per_op in zip(hidden_by_path[True], hidden_by_path[False]):
         assert torch.equal(native, per_op)
-    if prefill_weights == "bf16":
-        assert (48, True) in splits and any(0 < rows < PROMPT_TILES_MIN_ROWS for rows, _ in splits)
-        assert all(on_tiles == (rows >= PROMPT_TILES_MIN_ROWS) for rows, on_tiles in splits)
-
+    if prefill_weights == "bf16" and not batch_invariant:
+        assert all((split == 0) == (rows >= TILES_MIN_ROWS) for rows, _, split in splits)
+        assert any(split == 0 and prompt_rows < rows for rows, prompt_rows, split in splits)  # decode rows too
+        assert any(split is None and prompt_rows > 0 for rows, prompt_rows, split in splits)  # a small chunk
+    elif prefill_weights == "bf16":
+        assert all(split == (rows - prompt_rows if prompt_rows else None) for rows, prompt_rows, split in splits)
+        assert any(0 < prompt_rows < rows for rows, prompt_rows, _ in splits)
 
 
 def test_native_steps_build_no_sdpa_context_and_match_steps_that_do(monkeypatch):

@@ -61,8 +61,14 @@ def add_model_arguments(group: ArgumentTarget) -> None:
                             "the CPU has them and the copy takes at most 1 GiB (prefill 1.6-2.3x faster; +2 bytes per "
                             "layer weight resident, reported at start-up), else the quantized kernels; bf16 = that "
                             "copy whatever its size, or refuse to start; none = the quantized kernels and row-by-row "
-                            "attention, as decode. Generated tokens always take the quantized kernels, and so do "
-                            "the matmuls of a step with fewer than 32 prompt rows (too few to pay for the copy)")
+                            "attention, as decode. A step's matmuls take the copy for all its rows, generated ones "
+                            "too, where it has 32 rows or more, and none under that (too few to pay for streaming "
+                            "the copy); --batch-invariant changes that rule")
+    group.add_argument("--batch-invariant", action="store_true",
+                       help="a request's tokens the same alone or in any batch: with the bfloat16 copy above, its "
+                            "prompt positions always take the copy and its generated tokens never do, however "
+                            "many rows a step has (slower under load: decode rows stream the quantized weights "
+                            "beside a prompt's chunk, and small prompt chunks stream the copy)")
     group.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
 
 

@@ -35,6 +35,7 @@ def engine_options(args: argparse.Namespace) -> dict:
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "enforce_eager": args.enforce_eager,
             "quantization": args.quantization, "prefill_weights": args.prefill_weights,
+            "batch_invariant": args.batch_invariant,
             "kv_cache_dtype": args.kv_cache_dtype,
             "speculative_config": args.speculative_config}
 

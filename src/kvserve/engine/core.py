@@ -72,6 +72,12 @@ class EngineConfig:
     # CPUs (+2 bytes per layer weight) up to 1 GiB of them, bf16 = those at any
     # size or refuse, none = as decode (model/quantized.wants_prompt_tiles).
     prefill_weights: str = "auto"
+    # Where a quantized model holds those tiles, a step of 32 rows or more
+    # computes every row on them, generated ones too (faster under load; a
+    # row's last bits then depend on its step). True: by position instead, a
+    # request's prompt rows on the tiles and its generated rows never, so its
+    # tokens are the same alone or in any batch (model/quantized.tiles_from).
+    batch_invariant: bool = False
     # The KV cache's element type: auto = bfloat16 for quantized weights on
     # CPU, else dtype (model_runner.auto_kv_cache_dtype); bfloat16 halves a
     # float32 model's KV bytes per token (twice the tokens in the same memory).
@@ -233,7 +239,7 @@ class EngineCore:
             max_model_len=self.max_model_len, seed=config.seed,
             max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
             quantization=config.quantization, prefill_weights=config.prefill_weights,
-            kv_cache_dtype=config.kv_cache_dtype,
+            batch_invariant=config.batch_invariant, kv_cache_dtype=config.kv_cache_dtype,
             max_loras=config.max_loras if config.enable_lora else None,
             max_lora_rank=config.max_lora_rank,
             extra_kv_bytes_per_block=0 if draft is None else draft.kv_bytes_per_block,

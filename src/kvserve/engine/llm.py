@@ -25,7 +25,7 @@ class LLM:
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  device: str | None = None, max_model_len: int | None = None, seed: int = 0,
                  enforce_eager: bool = False, quantization: str = "auto", prefill_weights: str = "auto",
-                 kv_cache_dtype: str = "auto",
+                 batch_invariant: bool = False, kv_cache_dtype: str = "auto",
                  speculative_config: dict | str | None = None, enable_lora: bool = False,
                  max_loras: int = 4, max_lora_rank: int = 16) -> None:
         """Load `model` (None: the embedded SmolLM2-135M-Instruct; a *.gguf file or a
@@ -36,7 +36,10 @@ class LLM:
         in that type). prefill_weights: "auto" (prompt positions of a quantized model on a
         bfloat16 copy of its layers where the CPU has AMX-BF16 and the copy takes at most
         1 GiB), "bf16" (that copy at any size, or refuse),
-        "none" (the quantized kernels, as decode). kv_cache_dtype: the KV cache's element type,
+        "none" (the quantized kernels, as decode). batch_invariant: a request's tokens
+        the same alone or in any batch (its prompt rows on that copy, its generated
+        rows never; by default a step of 32 rows or more takes the copy for every
+        row). kv_cache_dtype: the KV cache's element type,
         "auto" (bfloat16 for quantized weights on CPU, else dtype), "float32" or "bfloat16"
         (half a float32 model's bytes per token).
         speculative_config: speculative decoding with vLLM's keys, e.g.
@@ -49,7 +52,8 @@ class LLM:
             kv_cache_memory, dtype=dtype, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             device=device, max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
-            quantization=quantization, prefill_weights=prefill_weights, kv_cache_dtype=kv_cache_dtype,
+            quantization=quantization, prefill_weights=prefill_weights, batch_invariant=batch_invariant,
+            kv_cache_dtype=kv_cache_dtype,
             speculative_config=speculative_config,
             enable_lora=enable_lora,
             max_loras=max_loras, max_lora_rank=max_lora_rank)

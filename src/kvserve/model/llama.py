@@ -187,6 +187,8 @@ class DecoderLayer:
         # RoPE, the K/V write and decode attention as native CPU kernels
         # (set by LlamaModel for quantized models; the float path stays torch).
         self.native_ops = False
+        # Which rows take the bfloat16 tiles: by position, not by step (set by LlamaModel).
+        self.batch_invariant = False
 
     def linears(self) -> list[Linear]:
         return [self.qkv, self.o_proj, self.gate_up, self.down]
@@ -200,8 +202,8 @@ class DecoderLayer:
         both inside one call; the float path runs the same ops in torch).
         `lora`: this step's adapters (model/lora.py), added to each fused
         matmul's output; their input transform runs again in torch on their rows."""
-        # Rows from here on take the prompt tiles (prompt positions, where the step has enough).
-        prompt = tiles_from(residual.shape[0], meta.bf16_rows_from)
+        # Rows from here on take the bfloat16 tiles (model/quantized.tiles_from).
+        prompt = tiles_from(residual.shape[0], meta.bf16_rows_from, self.batch_invariant)
         qkv = self.qkv.matmul(residual, norm=(self.input_norm, self.eps), bf16_from=prompt)
         if lora is not None:
             lora.add(qkv, self.index, "qkv", residual, norm=(self.input_norm, self.eps))
@@ -283,7 +285,8 @@ class NativeStep:
             attn.data_ptr(), gate_up.data_ptr(), kernel_threads(num_tokens),
             None if lora is None else ctypes.addressof(lora),
             num_tokens if meta.bf16_rows_from is None else meta.bf16_rows_from,
-            num_tokens if (tiles := tiles_from(num_tokens, meta.bf16_rows_from)) is None else tiles,
+            num_tokens if (tiles := tiles_from(num_tokens, meta.bf16_rows_from, first.batch_invariant)) is None
+            else tiles,
             activation_type(kv_caches[0].dtype))
         if status == -2:
             raise KernelUnavailable("this CPU has no AMX-BF16 for the bfloat16 prompt tiles")
@@ -313,10 +316,14 @@ class LlamaModel:
     tokens; `compute_logits` runs the final norm and head on the few rows sampled."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype,
-                 device: torch.device, max_positions: int, prompt_tiles: bool = False) -> None:
+                 device: torch.device, max_positions: int, prompt_tiles: bool = False,
+                 batch_invariant: bool = False) -> None:
         """prompt_tiles: give every quantized layer matmul a bfloat16 copy for
-        prompt positions (QuantizedWeight.prompt_tiles; AMX-BF16 only): the
-        runner then puts a step's prompt rows last (prompt_rows_last)."""
+        the rows of large steps (QuantizedWeight.prompt_tiles; AMX-BF16 only):
+        the runner then puts a step's prompt rows last (prompt_rows_last).
+        batch_invariant: the tiles take a request's prompt positions, never
+        its generated ones, however many rows a step has
+        (model/quantized.tiles_from), so its tokens do not depend on the batch."""
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -342,6 +349,7 @@ class LlamaModel:
             isinstance(lin, QuantizedWeight) for layer in self.layers for lin in layer.linears())
         for layer in self.layers:
             layer.native_ops = self.native_ops
+            layer.batch_invariant = batch_invariant
         # Every step's attention then runs in the native kernels, which read the
         # paged cache through block tables: the runner builds no gathered
         # context or causal mask for SDPA (build_step_batch's sdpa_context).
@@ -354,10 +362,11 @@ class LlamaModel:
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict[str, Tensor],
                      dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                     max_positions: int | None = None, prompt_tiles: bool = False) -> "LlamaModel":
+                     max_positions: int | None = None, prompt_tiles: bool = False,
+                     batch_invariant: bool = False) -> "LlamaModel":
         """Build from Hugging Face-named tensors (any float dtype; cast here)."""
         return cls(config, weights, dtype, resolve_device(device),
-                   max_positions or config.max_position_embeddings, prompt_tiles)
+                   max_positions or config.max_position_embeddings, prompt_tiles, batch_invariant)
 
     def weight_bytes(self) -> int:
         """Bytes of every weight as it is resident (quantized ones at their block size)."""

@@ -12,9 +12,11 @@ binding: docs/quantization.md (the kernel comparison).
 
 Where the CPU has AMX-BF16, a weight may also hold `prompt_tiles`: a
 bfloat16 copy packed for the AMX tiles (`pack_prompt_tiles`), which
-`matmul(..., bf16_from=i)` uses for rows i and after: a step's prompt
-positions, many rows against one weight, where the int8 path's per-block
-epilogue binds and bfloat16 products run ~1.5x faster (docs/quantization.md).
+`matmul(..., bf16_from=i)` uses for rows i and after (`tiles_from`: every
+row of a large step, or by position a request's prompt rows): many rows
+against one weight, where the int8 path's per-block epilogue binds and
+bfloat16 products run ~1.5x faster (docs/quantization.md). Named for the
+prompt positions that first took them.
 """
 
 from __future__ import annotations
@@ -126,27 +128,38 @@ def require_kernels() -> ctypes.CDLL:
     return lib
 
 
-# A step's matmuls take the prompt tiles only for at least this many prompt
-# rows. The tiles stream the weights in bfloat16 (the default model's: 0.2
-# GiB a step, ~3.5x its Q4_1 blocks) and pay that back only once enough
-# rows share them. Measured on the AMX Xeon (1 and 2 threads, with 0 and 8
-# decode rows beside), a step's cost on the tiles over its cost on the
-# quantized blocks: 2.0-2.4x for 1 prompt row, 1.5-1.8x for 8, 1.0-1.1x
-# for 24, 0.86-0.97x for 32. Small prompt chunks are common: a prefix-cache hit's
-# remainder, a chunked prompt's tail, a preempted request's recompute.
-# (Their attention stays on AMX-BF16: over a long cached prefix it is what
-# the rows cost.)
-PROMPT_TILES_MIN_ROWS = 32
+# A step's matmuls take the tiles only for at least this many rows. The
+# tiles stream the weights in bfloat16 (the default model's: 0.2 GiB a step,
+# ~3.5x its Q4_1 blocks) and pay that back only once enough rows share them.
+# Measured on the AMX Xeon (1 and 2 threads), a step's cost on the tiles over
+# its cost on the quantized blocks: 2.0-2.4x for 1 prompt row, 1.5-1.8x for 8,
+# 1.0-1.1x for 24, 0.86-0.97x for 32 (with 0 and 8 decode rows beside);
+# decode-only steps 1.11x at 16 rows, 0.94x at 32, 0.91x at 64. Small prompt
+# chunks are common: a prefix-cache hit's remainder, a chunked prompt's tail,
+# a preempted request's recompute. (Prompt rows' attention stays on AMX-BF16
+# either way: over a long cached prefix it is what the rows cost.)
+TILES_MIN_ROWS = 32
 
 
-def tiles_from(num_rows: int, prompt_from: int | None) -> int | None:
-    """The first of a step's rows that take the prompt tiles in the
-    matmuls: `prompt_from` (the first prompt row,
-    AttentionMetadata.bf16_rows_from) where at least PROMPT_TILES_MIN_ROWS
-    rows are prompt rows, else None (every row on the quantized blocks)."""
-    if prompt_from is None or num_rows - max(prompt_from, 0) < PROMPT_TILES_MIN_ROWS:
+def tiles_from(num_rows: int, prompt_from: int | None, batch_invariant: bool = False) -> int | None:
+    """The first of a step's rows whose matmuls take the bfloat16 tiles
+    (None: every row on the quantized blocks). `prompt_from`: the first
+    prompt row (AttentionMetadata.bf16_rows_from; None where the model holds
+    no tiles).
+
+    By default the rule is the step's size: every row, prompt or generated,
+    where the step has at least TILES_MIN_ROWS rows (the decode rows beside a
+    prompt's chunk then share its stream of the tiles instead of streaming
+    the quantized blocks too), else none. So a row's last bits depend on how
+    many rows came with it. `batch_invariant` makes the rule the position:
+    a request's prompt positions take the tiles however few, its generated
+    tokens never do, so its tokens are the same alone or in a crowd (at the
+    cost of small prompt chunks streaming the tiles)."""
+    if prompt_from is None:
         return None
-    return prompt_from
+    if batch_invariant:
+        return prompt_from if prompt_from < num_rows else None
+    return 0 if num_rows >= TILES_MIN_ROWS else None
 
 
 def prompt_tiles_available() -> bool:

@@ -73,13 +73,15 @@ class ModelRunner:
                  block_size: int = 16, dtype: str | torch.dtype = "float32",
                  device: torch.device | str | None = None, max_model_len: int | None = None,
                  seed: int = 0, max_num_seqs: int = 64, enforce_eager: bool = False,
-                 quantization: str = "auto", prefill_weights: str = "none", kv_cache_dtype: str = "auto",
+                 quantization: str = "auto", prefill_weights: str = "none", batch_invariant: bool = False,
+                 kv_cache_dtype: str = "auto",
                  max_loras: int | None = None, max_lora_rank: int = 16,
                  extra_kv_bytes_per_block: int = 0, extra_weight_bytes: int = 0) -> None:
         """weights: HF-named float tensors or QuantizedWeights (model/loader.py);
         quantization: what they are computed in (model/quantized.prepare_weights);
         prefill_weights: whether prompt positions take bfloat16 tiles
-        (model/quantized.wants_prompt_tiles; "none" for a draft model).
+        (model/quantized.wants_prompt_tiles; "none" for a draft model);
+        batch_invariant: which rows take them (model/quantized.tiles_from).
         kv_cache_dtype: the KV cache's element type (auto_kv_cache_dtype).
         kv_cache_memory_bytes None: auto_kv_cache_bytes of the resident weights,
         these and `extra_weight_bytes` (a draft model's, resident beside them).
@@ -95,7 +97,8 @@ class ModelRunner:
         self.model = LlamaModel.from_weights(
             config, prepared, self.dtype, self.device, self.max_model_len,
             prompt_tiles=wants_prompt_tiles(prefill_weights, prepared, self.device, max_loras is not None,
-                                            memory.prompt_tile_bytes(config)))
+                                            memory.prompt_tile_bytes(config)),
+            batch_invariant=batch_invariant)
         self.kv_dtype = (auto_kv_cache_dtype(self.model, self.dtype) if kv_cache_dtype == "auto"
                          else resolve_dtype(kv_cache_dtype))
         self.weight_bytes = self.model.weight_bytes()

@@ -21,7 +21,7 @@ from kvserve.model_facts.config import ModelConfig
 from kvserve.model.device import resolve_device, resolve_dtype
 from kvserve.model.llama import LlamaModel
 from kvserve.model.lora import LoraAdapter, LoraSlots, LoraStep
-from kvserve.model.quantized import prepare_weights, wants_prompt_tiles
+from kvserve.model.quantized import TILES_MIN_ROWS, prepare_weights, wants_prompt_tiles
 from kvserve.model.sampler import Sampler, SamplerOutput, SamplingState
 from kvserve.runner.decode_graphs import DecodeGraphs
 from kvserve.runner.rejection_sampler import RejectionSampler
@@ -125,6 +125,10 @@ class ModelRunner:
                  self.weight_bytes / 2**20, formats, self.num_blocks * kv_bytes_per_block(
                      config, block_size, self.kv_dtype) / 2**20, str(self.kv_dtype).removeprefix("torch."),
                  self.num_blocks, block_size)
+        if self.model.prompt_rows_last:
+            log.info("bfloat16 tiles take %s", "a request's prompt positions only (--batch-invariant)"
+                     if batch_invariant else f"every row of a step of {TILES_MIN_ROWS} rows or more "
+                     "(a row's last bits then depend on its step; --batch-invariant: by position)")
         if self.device.type == "cpu":
             log.info("CPU threads: %d (torch and the quantized kernels); %s", torch.get_num_threads(),
                      cpu_threads.wait_policy_note())

@@ -41,6 +41,7 @@ VARIANTS = {  # name -> LLM(...) arguments
     "bfloat16": {"quantization": "none", "dtype": "bfloat16"},
     "Q8_0 (requantized)": {"quantization": "q8_0"},
     "Q4_1 (shipped)": {"quantization": "auto"},
+    "Q4_1, int8 KV cache": {"quantization": "auto", "kv_cache_dtype": "int8"},
 }
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
            "1, 2, 3, 4,", "Water boils at", "The quick brown fox", "In machine learning, a transformer is",

@@ -49,6 +49,24 @@
 
 enum { KVQ_Q4_0 = 2, KVQ_Q4_1 = 3, KVQ_Q8_0 = 8 };  /* ggml's type ids */
 enum { KVQ_F32 = 0, KVQ_BF16 = 1 };
+/* The KV cache's element types: KVQ_F32, KVQ_BF16, or KVQ_I8, where each
+ * row of D values (one head's K or V of one slot) is its float32 scale, then
+ * D int8 values: value i = scale * q[i], scale = max |x| / 127 of the row as
+ * written (kvq_rope_write_kv). Half bfloat16's bytes for a decode row's
+ * attention to read. */
+enum { KVQ_I8 = 2 };
+
+/* Bytes of one cache row of D values. */
+static inline size_t cache_row_bytes(int cache_dtype, int64_t D) {
+    return cache_dtype == KVQ_I8 ? (size_t)D + 4 : (size_t)D * (cache_dtype == KVQ_BF16 ? 2 : 4);
+}
+
+/* An int8 cache row's scale (its first 4 bytes, unaligned). */
+static inline float cache_row_scale(const char* row) {
+    float scale;
+    memcpy(&scale, row, sizeof scale);
+    return scale;
+}
 #define QK 32
 #define NR 8
 #define KVQ_MAX_ROWS 8  /* activation rows per matmul tile, at most (the VNNI path's) */
@@ -147,8 +165,9 @@ static int amx_enabled(void);
 /* The exported interface's version. model/quantized.py calls only a build of
  * the version it was written against: a stale build (a kernel's arguments
  * changed since) is refused, not called with arguments in the wrong places.
- * Raise it with any change to an exported signature or struct. */
-#define KVQ_ABI_VERSION 1
+ * Raise it with any change to an exported signature or struct, or to what
+ * an argument's values mean (2: cache_dtype KVQ_I8). */
+#define KVQ_ABI_VERSION 2
 int kvq_abi_version(void) { return KVQ_ABI_VERSION; }
 
 /* mode 0: the best path the CPU has; 1: pin the portable path; 2: AVX2 without
@@ -1532,7 +1551,8 @@ void kvq_dequantize_rows(int wtype, const uint8_t* w, int64_t K, const int64_t* 
  * k and v written to the layer's paged cache at their slots.
  * qkv: [T, (H + 2 Hkv) * D] (row stride ldq); cos/sin: [max_pos, D] of qkv's dtype;
  * cache: [slots, 2, Hkv, D] of cache_dtype (float32 or bfloat16; from float32
- * K/V rounded to nearest even, as torch's cast). */
+ * K/V rounded to nearest even, as torch's cast), or KVQ_I8's rows (each its
+ * scale, max |x| / 127, then x / scale rounded to nearest even). */
 typedef struct {
     void* qkv; int dtype; int64_t ldq; const int64_t *positions, *slots; const void *cos, *sin; void* cache;
     int cache_dtype; int64_t H, Hkv, D; int isa;  /* matmul_isa()'s */
@@ -1550,6 +1570,30 @@ static void rope_head_avx2(float* x, const float* c, const float* s, int64_t hal
                                               _mm256_mul_ps(hi, _mm256_loadu_ps(s + i))));
         _mm256_storeu_ps(x + half + i, _mm256_add_ps(_mm256_mul_ps(hi, _mm256_loadu_ps(c + half + i)),
                                                      _mm256_mul_ps(lo, _mm256_loadu_ps(s + half + i))));
+    }
+}
+
+/* Rows of D (a multiple of 16) float32 values as KVQ_I8 cache rows: the
+ * portable loop's scale, quotients and rounding, op for op (an IEEE
+ * division and round-to-nearest-even either way), so the same bytes. */
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
+static void to_i8_rows_avx512(const float* src, char* dst, int64_t rows, int64_t D, size_t row_bytes) {
+    const __m512 lim = _mm512_set1_ps(127.f), neg = _mm512_set1_ps(-127.f);
+    for (int64_t r = 0; r < rows; r++) {
+        const float* x = src + r * D;
+        char* row = dst + r * row_bytes;
+        __m512 m = _mm512_setzero_ps();
+        for (int64_t i = 0; i < D; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+        const float scale = _mm512_reduce_max_ps(m) / 127.f;
+        memcpy(row, &scale, sizeof scale);
+        const __m512 s = _mm512_set1_ps(scale);
+        for (int64_t i = 0; i < D; i += 16) {
+            __m512 q = scale > 0.f ? _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), s),
+                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                   : _mm512_setzero_ps();
+            q = _mm512_min_ps(_mm512_max_ps(q, neg), lim);
+            _mm_storeu_si128((__m128i*)(row + 4 + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)));
+        }
     }
 }
 
@@ -1587,9 +1631,32 @@ static void rope_token(const void* ctx, int64_t t) {
             store_y(qkv, dtype, base + i, x[i] * c + rot * s);
         }
     }
-    const size_t esz = dtype == KVQ_BF16 ? 2 : 4, csz = j->cache_dtype == KVQ_BF16 ? 2 : 4;
-    char* dst = (char*)cache + (size_t)slots[t] * 2 * Hkv * D * csz;
+    const size_t esz = dtype == KVQ_BF16 ? 2 : 4, row_bytes = cache_row_bytes(j->cache_dtype, D);
+    char* dst = (char*)cache + (size_t)slots[t] * 2 * Hkv * row_bytes;
     const char* src = (const char*)qkv + (size_t)(t * ldq + H * D) * esz;
+    if (j->cache_dtype == KVQ_I8) {  /* each row: its scale, then its values rounded to nearest even */
+#ifdef KVQ_X86
+        if (isa == 3 && dtype == KVQ_F32 && D % 16 == 0) {
+            to_i8_rows_avx512((const float*)src, dst, 2 * Hkv, D, row_bytes);
+            return;
+        }
+#endif
+        for (int64_t r = 0; r < 2 * Hkv; r++) {
+            float x[D], amax = 0.f;
+            for (int64_t i = 0; i < D; i++) {
+                x[i] = load_x(src, dtype, r * D + i);
+                amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+            }
+            const float scale = amax / 127.f;
+            char* row = dst + r * row_bytes;
+            memcpy(row, &scale, sizeof scale);
+            for (int64_t i = 0; i < D; i++) {
+                const float v = scale > 0.f ? nearbyintf(x[i] / scale) : 0.f;
+                row[4 + i] = (char)(int8_t)(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
+            }
+        }
+        return;
+    }
     if (j->cache_dtype == dtype) {
         memcpy(dst, src, (size_t)2 * Hkv * D * esz);  /* k then v, as the cache's [2, Hkv, D] */
         return;
@@ -1622,10 +1689,22 @@ void kvq_rope_write_kv(void* qkv, int dtype, int64_t T, int64_t ldq, const int64
 #define KVQ_TILE 32
 #define KVQ_MAX_GROUP 16
 #define KVQ_MAX_D 256
+
+/* A cache row's D values as float32. */
+static inline void cache_row_floats(const char* row, int dtype, int64_t D, float* out) {
+    if (dtype == KVQ_I8) {
+        const float scale = cache_row_scale(row);
+        for (int64_t i = 0; i < D; i++) out[i] = scale * (float)(int8_t)row[4 + i];
+    } else if (dtype == KVQ_BF16) {
+        for (int64_t i = 0; i < D; i++) out[i] = bf16_to_f32(((const uint16_t*)row)[i]);
+    } else {
+        memcpy(out, row, D * sizeof(float));
+    }
+}
 __attribute__((target_clones("avx2", "default")))
 static void attend_one(const float* qs, int64_t group, int64_t D, const char* cache, int dtype, int64_t Hkv,
                        int64_t kvh, const int64_t* blocks, int64_t block_size, int64_t L, float* acc) {
-    const size_t esz = dtype == KVQ_BF16 ? 2 : 4, slot_bytes = (size_t)2 * Hkv * D * esz;
+    const size_t row_bytes = cache_row_bytes(dtype, D), slot_bytes = 2 * (size_t)Hkv * row_bytes;
     float mx[KVQ_MAX_GROUP], den[KVQ_MAX_GROUP], sc[KVQ_MAX_GROUP][KVQ_TILE], kv[KVQ_TILE][KVQ_MAX_D];
     for (int64_t g = 0; g < group; g++) { mx[g] = -INFINITY; den[g] = 0.f; }
     for (int64_t i = 0; i < group * D; i++) acc[i] = 0.f;
@@ -1635,12 +1714,9 @@ static void attend_one(const float* qs, int64_t group, int64_t D, const char* ca
         for (int64_t j = 0; j < n; j++) {
             const int64_t p = p0 + j;
             rows[j] = cache + (size_t)(blocks[p / block_size] * block_size + p % block_size) * slot_bytes
-                      + (size_t)kvh * D * esz;
+                      + (size_t)kvh * row_bytes;
         }
-        for (int64_t j = 0; j < n; j++) {  /* keys of the tile, as float */
-            if (dtype == KVQ_BF16) for (int64_t i = 0; i < D; i++) kv[j][i] = bf16_to_f32(((const uint16_t*)rows[j])[i]);
-            else memcpy(kv[j], rows[j], D * sizeof(float));
-        }
+        for (int64_t j = 0; j < n; j++) cache_row_floats(rows[j], dtype, D, kv[j]);  /* keys of the tile */
         for (int64_t g = 0; g < group; g++) {
             const float* qg = qs + g * D;
             float tile_max = mx[g];
@@ -1657,11 +1733,7 @@ static void attend_one(const float* qs, int64_t group, int64_t D, const char* ca
             mx[g] = tile_max;
             for (int64_t j = 0; j < n; j++) { sc[g][j] = expf(sc[g][j] - tile_max); den[g] += sc[g][j]; }
         }
-        for (int64_t j = 0; j < n; j++) {  /* values of the tile */
-            const char* vrow = rows[j] + (size_t)Hkv * D * esz;
-            if (dtype == KVQ_BF16) for (int64_t i = 0; i < D; i++) kv[j][i] = bf16_to_f32(((const uint16_t*)vrow)[i]);
-            else memcpy(kv[j], vrow, D * sizeof(float));
-        }
+        for (int64_t j = 0; j < n; j++) cache_row_floats(rows[j] + (size_t)Hkv * row_bytes, dtype, D, kv[j]);  /* values */
         for (int64_t g = 0; g < group; g++)
             for (int64_t j = 0; j < n; j++) {
                 const float e = sc[g][j];
@@ -1724,7 +1796,12 @@ static void swiglu_avx2(const void* row, int xtype, int64_t K, float* out) {
 }
 
 /* 8 floats of a cache row (float32 or bfloat16) at element i. */
-KVQ_AVX2 __m256 cache8_avx2(const char* row, int dtype, int64_t i) { return load8_avx2(row, dtype, i); }
+KVQ_AVX2 __m256 cache8_avx2(const char* row, int dtype, int64_t i) {
+    if (dtype == KVQ_I8)
+        return _mm256_mul_ps(_mm256_set1_ps(cache_row_scale(row)),
+                             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(row + 4 + i)))));
+    return load8_avx2(row, dtype, i);
+}
 
 /* attend_one for D % 32 == 0 with AVX2: the same online softmax, keys and
  * values read in place (no tile copy), four keys' dot products and four
@@ -1738,10 +1815,10 @@ typedef struct { float mx[KVQ_MAX_GROUP], den[KVQ_MAX_GROUP]; } softmax_state;
  * attention). */
 static void tile_key_rows(const char* cache, int dtype, int64_t Hkv, int64_t kvh, int64_t D, const int64_t* blocks,
                           int64_t block_size, int64_t p0, int64_t n, const char** krow) {
-    const size_t esz = dtype == KVQ_BF16 ? 2 : 4, slot_bytes = (size_t)2 * Hkv * D * esz;
+    const size_t row_bytes = cache_row_bytes(dtype, D), slot_bytes = 2 * (size_t)Hkv * row_bytes;
     int64_t block = p0 / block_size, offset = p0 % block_size;
     for (int64_t j = 0; j < n; j++) {
-        krow[j] = cache + (size_t)(blocks[block] * block_size + offset) * slot_bytes + (size_t)kvh * D * esz;
+        krow[j] = cache + (size_t)(blocks[block] * block_size + offset) * slot_bytes + (size_t)kvh * row_bytes;
         if (++offset == block_size) { offset = 0; block++; }
     }
 }
@@ -1755,12 +1832,12 @@ __attribute__((target("avx2,fma,f16c")))
 static void attend_tile_avx2(const float* qs, int64_t group, int64_t D, const char* cache, int dtype,
                                int64_t Hkv, int64_t kvh, const int64_t* blocks, int64_t block_size, int64_t p0,
                                int64_t n, softmax_state* st, float* acc) {
-    const size_t esz = dtype == KVQ_BF16 ? 2 : 4;
+    const size_t row_bytes = cache_row_bytes(dtype, D);
     float *mx = st->mx, *den = st->den, sc[KVQ_MAX_GROUP][KVQ_TILE];
     {
         const char *krow[KVQ_TILE + 3], *vrow[KVQ_TILE];
         tile_key_rows(cache, dtype, Hkv, kvh, D, blocks, block_size, p0, n, krow);
-        for (int64_t j = 0; j < n; j++) vrow[j] = krow[j] + (size_t)Hkv * D * esz;
+        for (int64_t j = 0; j < n; j++) vrow[j] = krow[j] + (size_t)Hkv * row_bytes;
         for (int64_t j = n; j < n + 3; j++) krow[j] = krow[0];  /* the last group of four reads valid rows */
         for (int64_t g = 0; g < group; g++) {
             const float* qg = qs + g * D;
@@ -1820,7 +1897,7 @@ static void attend_tile_avx2(const float* qs, int64_t group, int64_t D, const ch
  * tile in L1 anyway. */
 static inline void prefetch_tile(int64_t D, const char* cache, int dtype, int64_t Hkv, int64_t kvh,
                                  const int64_t* blocks, int64_t block_size, int64_t p0, int64_t L) {
-    const size_t esz = dtype == KVQ_BF16 ? 2 : 4, slot_bytes = (size_t)2 * Hkv * D * esz, row_bytes = (size_t)D * esz;
+    const size_t row_bytes = cache_row_bytes(dtype, D), slot_bytes = 2 * (size_t)Hkv * row_bytes;
     const int64_t p1 = p0 + KVQ_TILE < L ? p0 + KVQ_TILE : L;
     for (int64_t p = p0; p < p1; p++) {
         const char* krow = cache + (size_t)(blocks[p / block_size] * block_size + p % block_size) * slot_bytes
@@ -1837,8 +1914,11 @@ static inline void prefetch_tile(int64_t D, const char* cache, int dtype, int64_
 /* Every AVX-512 path here runs only where matmul_isa() is 3 (AVX512-VNNI with VL and BW). */
 #define KVQ_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw"), always_inline)) static inline
 
-/* 16 floats of a cache row (float32 or bfloat16) at element i. */
+/* 16 floats of a cache row (float32, bfloat16 or scaled int8) at element i. */
 KVQ_AVX512 __m512 cache16_avx512(const char* row, int dtype, int64_t i) {
+    if (dtype == KVQ_I8)
+        return _mm512_mul_ps(_mm512_set1_ps(cache_row_scale(row)),
+                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + 4 + i)))));
     if (dtype == KVQ_BF16) {
         __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)row + i));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -1925,12 +2005,12 @@ KVQ_AVX512 void values_avx512(const float (*sc)[KVQ_TILE], const float* corr, co
 KVQ_AVX512 void attend_tile_avx512_of(const float* qs, int64_t group, int64_t D, const char* cache, const int dtype,
                                       int64_t Hkv, int64_t kvh, const int64_t* blocks, int64_t block_size, int64_t p0,
                                       int64_t n, softmax_state* st, float* acc) {
-    const size_t esz = dtype == KVQ_BF16 ? 2 : 4;
+    const size_t row_bytes = cache_row_bytes(dtype, D);
     const char *krow[KVQ_TILE], *vrow[KVQ_TILE];
     float sc[KVQ_MAX_GROUP][KVQ_TILE], corr[KVQ_MAX_GROUP];
     tile_key_rows(cache, dtype, Hkv, kvh, D, blocks, block_size, p0, n, krow);
     for (int64_t j = n; j < KVQ_TILE; j++) krow[j] = krow[0];
-    for (int64_t j = 0; j < KVQ_TILE; j++) vrow[j] = krow[j] + (size_t)Hkv * D * esz;
+    for (int64_t j = 0; j < KVQ_TILE; j++) vrow[j] = krow[j] + (size_t)Hkv * row_bytes;
     const int64_t halves = (n + 15) / 16;  /* 16-key halves of the tile holding keys */
     for (int64_t g = 0; g < group; g++) {
         __m512 s[2] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY)};
@@ -1966,6 +2046,8 @@ static void attend_tile_avx512(const float* qs, int64_t group, int64_t D, const 
                                int64_t n, softmax_state* st, float* acc) {
     if (dtype == KVQ_BF16)  /* the cache's type a constant in each copy: no branch per load */
         attend_tile_avx512_of(qs, group, D, cache, KVQ_BF16, Hkv, kvh, blocks, block_size, p0, n, st, acc);
+    else if (dtype == KVQ_I8)
+        attend_tile_avx512_of(qs, group, D, cache, KVQ_I8, Hkv, kvh, blocks, block_size, p0, n, st, acc);
     else
         attend_tile_avx512_of(qs, group, D, cache, KVQ_F32, Hkv, kvh, blocks, block_size, p0, n, st, acc);
 }
@@ -2032,7 +2114,7 @@ static inline void prefetch_slots(const char* cache, size_t slot_bytes, const in
 static void attend_row_heads(attend_tile_fn attend_tile, const float* qs, int64_t group, int64_t D,
                              const char* cache, int dtype, int64_t Hkv, int64_t kv0, int64_t kv1,
                              const int64_t* blocks, int64_t block_size, int64_t L, softmax_state* st, float* acc) {
-    const size_t slot_bytes = (size_t)2 * Hkv * D * (dtype == KVQ_BF16 ? 2 : 4);
+    const size_t slot_bytes = 2 * (size_t)Hkv * cache_row_bytes(dtype, D);
     const int64_t width = group * D, heads = kv1 - kv0;
     for (int64_t k = 0; k < heads; k++) {
         for (int64_t g = 0; g < group; g++) { st[k].mx[g] = -INFINITY; st[k].den[g] = 0.f; }
@@ -2201,9 +2283,11 @@ typedef struct {
 /* Elements of one head's packs: K as Lp x DP (dims padded to 32), V as Lp x D. */
 static int64_t head_pack_elems(int64_t L, int64_t D, int64_t DP) { return (L + 31) / 32 * 32 * (DP + D); }
 
-/* 16 bfloat16 of a cache row (float32 rounded as f32_to_bf16) at element i, as 16 dwords' low halves. */
+/* 16 bfloat16 of a cache row (float32 and scaled int8 rounded as f32_to_bf16) at element i, as 16 dwords'
+ * low halves. */
 KVQ_AMX_BF16 static inline __m512i cache_bf16x16(const char* row, int cache_dtype, int64_t i) {
     if (cache_dtype == KVQ_BF16) return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)row + i)));
+    if (cache_dtype == KVQ_I8) return _mm512_cvtepu16_epi32(to_bf16x16_avx512(cache16_avx512(row, KVQ_I8, i)));
     return _mm512_cvtepu16_epi32(to_bf16x16_avx512(_mm512_loadu_ps((const float*)row + i)));
 }
 
@@ -2216,7 +2300,7 @@ KVQ_AMX_BF16 static void prompt_pack_chunk(const void* ctx, int64_t index) {
     const prompt_item* it = j->items + index;
     const prompt_seq* s = j->seqs + it->seq;
     const int64_t D = j->D, DP = j->DP, Lp = (s->L + 31) / 32 * 32, t = it->r0, kvh = it->kvh;
-    const size_t esz = j->cache_dtype == KVQ_BF16 ? 2 : 4, slot_bytes = (size_t)2 * j->Hkv * D * esz;
+    const size_t row_bytes = cache_row_bytes(j->cache_dtype, D), slot_bytes = 2 * (size_t)j->Hkv * row_bytes;
     const int64_t* blocks = j->block_table + s->r0 * j->max_blocks;
     uint16_t* kpack = j->packs + s->pack + kvh * head_pack_elems(s->L, D, DP);
     uint16_t* vpack = kpack + Lp * DP;
@@ -2224,7 +2308,7 @@ KVQ_AMX_BF16 static void prompt_pack_chunk(const void* ctx, int64_t index) {
     for (int64_t n = 0; n < 32; n++) {
         const int64_t p = 32 * t + n;
         rows[n] = p < s->L ? j->cache + (size_t)(blocks[p / j->block_size] * j->block_size + p % j->block_size) * slot_bytes
-                             + (size_t)kvh * D * esz : NULL;
+                             + (size_t)kvh * row_bytes : NULL;
     }
     for (int64_t n = 0; n < 32; n++) {  /* keys: each key's dword pairs down a column of its tile */
         uint32_t* tile = (uint32_t*)(kpack + (2 * t + n / 16) * (DP / 32) * 512) + n % 16;
@@ -2240,8 +2324,8 @@ KVQ_AMX_BF16 static void prompt_pack_chunk(const void* ctx, int64_t index) {
     for (int64_t k2 = 0; k2 < 16; k2++) {  /* values: two keys interleaved per row of a tile */
         const char *a = rows[2 * k2], *b = rows[2 * k2 + 1];
         for (int64_t g = 0; g < D / 16; g++) {
-            const __m512i lo = a ? cache_bf16x16(a + (size_t)j->Hkv * D * esz, j->cache_dtype, 16 * g) : _mm512_setzero_si512();
-            const __m512i hi = b ? cache_bf16x16(b + (size_t)j->Hkv * D * esz, j->cache_dtype, 16 * g) : _mm512_setzero_si512();
+            const __m512i lo = a ? cache_bf16x16(a + (size_t)j->Hkv * row_bytes, j->cache_dtype, 16 * g) : _mm512_setzero_si512();
+            const __m512i hi = b ? cache_bf16x16(b + (size_t)j->Hkv * row_bytes, j->cache_dtype, 16 * g) : _mm512_setzero_si512();
             _mm512_storeu_si512(vpack + ((t * (D / 16) + g) * 16 + k2) * 32, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
     }
@@ -2839,7 +2923,7 @@ int kvq_lora_apply(const kvq_lora_linear* lin, const int64_t* rows, const int64_
  * rows from it on take the layers' bfloat16 tiles in the matmuls, where a
  * layer has them (T: none); the caller sets it to T for a step of few
  * prompt rows, which the tiles' bytes would cost more than they save.
- * cache_dtype: the KV caches' element type (KVQ_F32 or KVQ_BF16), which
+ * cache_dtype: the KV caches' element type (KVQ_F32, KVQ_BF16 or KVQ_I8), which
  * may differ from the activations' dtype.
  * Returns 0, or -1 (a kernel refused: allocation or a head shape past the
  * attention kernel's buffers; checked before the first layer where it can be),

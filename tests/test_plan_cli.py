@@ -58,6 +58,11 @@ def test_plan_reads_a_gguf_model_config(capsys):
     # Every layer matrix once more at 2 bytes a weight: 30 x (960 + 576 + 3072 + 576 rows) x 576-1536 inputs.
     assert tiled["prompt_tile_bytes"] == 2 * 30 * (960 * 576 + 576 * 576 + 3072 * 576 + 576 * 1536)
     assert tiled["weight_bytes"] == plain["weight_bytes"] + tiled["prompt_tile_bytes"]
+    # An int8 KV cache: 1 byte a value plus a float32 scale per 64 (`serve --kv-cache-dtype int8`); its
+    # float fallback holds the cache in bfloat16 (only the quantized kernels read int8).
+    rc, int8 = run_json(capsys, "--model", str(gguf_file), "--memory", "1GiB", "--kv-dtype", "int8")
+    assert int8["kv_bytes_per_token"] == 30 * 3 * 2 * (64 + 4)
+    assert int8["float_fallback"]["kv_dtype"] == "bfloat16" and plan["float_fallback"]["kv_dtype"] == "bfloat16"
 
 
 def test_weights_that_do_not_fit_fail_clearly(capsys):

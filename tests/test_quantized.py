@@ -301,7 +301,7 @@ def _attend(q, cache, table, lens, block_size, h, hkv, d, first, count, prompt_f
     lib = quantized.require_kernels()
     out = torch.empty(count, h * d, dtype=q.dtype)
     assert lib.kvq_decode_attention(q[first].data_ptr(), quantized.activation_type(q.dtype), q.stride(0),
-                                    cache.data_ptr(), quantized.activation_type(cache.dtype), table[first].data_ptr(),
+                                    cache.data_ptr(), quantized.cache_type(cache.dtype), table[first].data_ptr(),
                                     table.shape[1], lens[first].data_ptr(), block_size, count, h, hkv, d, scale,
                                     out.data_ptr(), threads, prompt_from) == 0
     return out

@@ -28,8 +28,10 @@ QUANTIZATION_CHOICES = ("auto", "none", "q8_0", "q4_0", "q4_1")
 PREFILL_WEIGHTS_CHOICES = ("auto", "bf16", "none")
 # The KV cache's element type (`--kv-cache-dtype`, vLLM's flag): auto =
 # bfloat16 for a model computed on quantized weights on CPU, else the
-# activations' `--dtype` (runner/model_runner.auto_kv_cache_dtype).
-KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+# activations' `--dtype` (runner/model_runner.auto_kv_cache_dtype); int8 =
+# each head's K or V row of a token as int8 with a float32 scale (the native
+# CPU attention only: model_facts/memory.kv_element_bytes).
+KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8")
 # "auto" takes the prompt tiles only up to this many bytes: a small model's
 # copy is cheap (the default model's: 0.2 GiB), an 8B model's (~14 GiB) is
 # not what an operator expects by default (`--prefill-weights bf16` asks).

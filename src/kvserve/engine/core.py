@@ -80,7 +80,8 @@ class EngineConfig:
     batch_invariant: bool = False
     # The KV cache's element type: auto = bfloat16 for quantized weights on
     # CPU, else dtype (model_runner.auto_kv_cache_dtype); bfloat16 halves a
-    # float32 model's KV bytes per token (twice the tokens in the same memory).
+    # float32 model's KV bytes per token (twice the tokens in the same memory);
+    # int8 (quantized CPU models): a scale per row, 1.88x bfloat16's tokens at head_dim 64.
     kv_cache_dtype: str = "auto"
     # Speculative decoding (None: off); a JSON text or dict of vLLM's keys is parsed.
     speculative_config: SpeculativeConfig | None = None

@@ -40,8 +40,9 @@ class LLM:
         the same alone or in any batch (its prompt rows on that copy, its generated
         rows never; by default a step of 32 rows or more takes the copy for every
         row). kv_cache_dtype: the KV cache's element type,
-        "auto" (bfloat16 for quantized weights on CPU, else dtype), "float32" or "bfloat16"
-        (half a float32 model's bytes per token).
+        "auto" (bfloat16 for quantized weights on CPU, else dtype), "float32", "bfloat16"
+        (half a float32 model's bytes per token) or "int8" (a scale per head and token;
+        quantized CPU models).
         speculative_config: speculative decoding with vLLM's keys, e.g.
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
         "prompt_lookup_min": 2} or {"method": "draft_model", "model": PATH,

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvserve.model.quantized import activation_type, kernel_threads, require_kernels
+from kvserve.model.quantized import activation_type, cache_type, kernel_threads, require_kernels
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def native_attention(qkv: Tensor, kv_cache: Tensor, cos: Tensor, sin: Tensor, me
     the kernel's buffers. Rows from meta.bf16_rows_from on (a prompt's
     positions, with prompt tiles) attend on AMX-BF16 tiles in the kernel."""
     lib = require_kernels()
-    dtype, cache_dtype = activation_type(qkv.dtype), activation_type(kv_cache.dtype)
+    dtype, cache_dtype = activation_type(qkv.dtype), cache_type(kv_cache.dtype)
     num_tokens = qkv.shape[0]
     h, hkv, d = num_heads, num_kv_heads, head_dim
     lib.kvq_rope_write_kv(qkv.data_ptr(), dtype, num_tokens, qkv.stride(0), meta.positions.data_ptr(),
@@ -164,6 +164,8 @@ def native_attention(qkv: Tensor, kv_cache: Tensor, cos: Tensor, sin: Tensor, me
                                           num_tokens if meta.bf16_rows_from is None else meta.bf16_rows_from)
         if status == 0:
             return out  # else: a head shape past the kernel's buffers: SDPA below
+    if kv_cache.dtype == torch.int8:  # the runner refuses an int8 cache where the kernels cannot attend
+        raise RuntimeError("an int8 KV cache is read by the native attention kernels only")
     q = qkv[:, :h * d].view(num_tokens, h, d)
     return paged_attention(q, kv_cache, meta, scale).reshape(num_tokens, h * d)
 

@@ -26,8 +26,8 @@ from torch import Tensor
 from kvserve.model.attention import AttentionMetadata, native_attention, native_attention_takes, paged_attention
 from kvserve.model_facts.config import ModelConfig
 from kvserve.model.device import resolve_device
-from kvserve.model.quantized import (KernelUnavailable, NativeLayer, QuantizedWeight, activation_type, kernel_threads,
-                                     require_kernels, tiles_from)
+from kvserve.model.quantized import (KernelUnavailable, NativeLayer, QuantizedWeight, activation_type, cache_type,
+                                     kernel_threads, require_kernels, tiles_from)
 
 
 class LinearUpdates(Protocol):
@@ -287,7 +287,7 @@ class NativeStep:
             num_tokens if meta.bf16_rows_from is None else meta.bf16_rows_from,
             num_tokens if (tiles := tiles_from(num_tokens, meta.bf16_rows_from, first.batch_invariant)) is None
             else tiles,
-            activation_type(kv_caches[0].dtype))
+            cache_type(kv_caches[0].dtype))
         if status == -2:
             raise KernelUnavailable("this CPU has no AMX-BF16 for the bfloat16 prompt tiles")
         if status != 0:

@@ -45,7 +45,7 @@ _ACT_TYPES = {torch.float32: 0, torch.bfloat16: 1}
 _XOP_PLAIN, _XOP_RMS_NORM, _XOP_SWIGLU = 0, 1, 2  # csrc's KVQ_X_*
 LIBRARY_PATH = Path(__file__).with_name("_kvq.so")
 # csrc's KVQ_ABI_VERSION that this module's calls are written against.
-KVQ_ABI_VERSION = 1
+KVQ_ABI_VERSION = 2
 
 
 # Matrices an explicit Q4 request stores as Q8_0, as llama.cpp's Q4 files do:
@@ -434,6 +434,18 @@ class NativeLoraStep(ctypes.Structure):
 
     _fields_ = [("linears", ctypes.c_void_p), ("rows", ctypes.c_void_p), ("segments", ctypes.c_void_p),
                 ("num_rows", ctypes.c_int64), ("num_segments", ctypes.c_int64)]
+
+
+# The KV cache's element types in the kernels (csrc: KVQ_F32, KVQ_BF16, KVQ_I8).
+_CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+
+def cache_type(dtype: torch.dtype) -> int:
+    """The kernels' code for a KV cache's dtype: float32, bfloat16, or int8
+    (rows of a float32 scale and head_dim int8 values: KV_ROW_SCALE_BYTES)."""
+    if dtype not in _CACHE_TYPES:
+        raise TypeError(f"the native kernels' KV cache is float32, bfloat16 or int8, got {dtype}")
+    return _CACHE_TYPES[dtype]
 
 
 def activation_type(dtype: torch.dtype) -> int:

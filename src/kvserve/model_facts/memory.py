@@ -33,6 +33,20 @@ def dtype_bytes(name: str) -> float:
     return DTYPE_BYTES[key]
 
 
+# An int8 KV cache row (one head's K or V of one token) holds a float32
+# scale before its head_dim values (csrc/kvq_kernels.c's KVQ_I8 rows).
+KV_ROW_SCALE_BYTES = 4
+
+
+def kv_element_bytes(kv_dtype: str, head_dim: int) -> float:
+    """Bytes per cached K/V element of `kv_dtype` (a name, or a torch dtype's
+    str), an int8 row's scale included: the one rule the runner's cache,
+    `kvserve plan` and `kvserve simulate` size an int8 cache by."""
+    if kv_dtype.strip().lower().removeprefix("torch.") == "int8":
+        return 1.0 + KV_ROW_SCALE_BYTES / head_dim
+    return dtype_bytes(kv_dtype)
+
+
 def weight_bytes(config: ModelConfig, bytes_per_param: float) -> int:
     """Weights resident on the device: parameters x bytes per parameter."""
     return int(math.ceil(config.num_parameters() * bytes_per_param))

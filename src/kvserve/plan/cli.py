@@ -15,7 +15,7 @@ from pathlib import Path
 from kvserve import flags
 from kvserve.config import PREFILL_WEIGHTS_CHOICES, PROMPT_TILES_AUTO_MAX_BYTES, SpeculativeConfig, parse_size
 from kvserve.cpu_features import amx_bf16_available
-from kvserve.model_facts.memory import dtype_bytes, prompt_tile_bytes, weight_bytes
+from kvserve.model_facts.memory import dtype_bytes, kv_element_bytes, prompt_tile_bytes, weight_bytes
 from kvserve.plan import kv_math, queueing
 from kvserve.plan.hardware import HARDWARE, HardwareProfile, hardware_preset
 from kvserve.plan.presets import PRESETS, ModelSpec, read_model_spec, resolve_model
@@ -36,9 +36,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight dtype (bytes per parameter): bfloat16, float16, float32, fp8, "
                         "int8, q8_0, q4_1, int4. Default: the file size for --model, else bfloat16")
     parser.add_argument("--kv-dtype", default="bfloat16",
-                        help="KV cache element dtype (bfloat16 = 2 bytes per element; `kvserve serve` "
-                        "holds its KV cache in its --kv-cache-dtype: auto = bfloat16 for quantized weights on "
-                        "CPU, else its --dtype)")
+                        help="KV cache element dtype (bfloat16 = 2 bytes per element; int8 = 1 plus a float32 "
+                        "scale per head_dim values, as `kvserve serve --kv-cache-dtype int8` holds it; `kvserve "
+                        "serve` holds its KV cache in its --kv-cache-dtype: auto = bfloat16 for quantized weights "
+                        "on CPU, else its --dtype)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -125,7 +126,8 @@ def draft_footprint(speculative_config: str | None, dtype: str | None, kv_dtype:
         return None
     assert config.model is not None
     spec = read_model_spec(Path(config.model))
-    return DraftFootprint(spec, weight_bytes_of(spec, dtype), spec.config.kv_bytes_per_token(dtype_bytes(kv_dtype)))
+    return DraftFootprint(spec, weight_bytes_of(spec, dtype),
+                          spec.config.kv_bytes_per_token(kv_element_bytes(kv_dtype, spec.config.head_dim)))
 
 
 def weight_bytes_of(spec: ModelSpec, dtype: str | None) -> int:
@@ -153,7 +155,7 @@ def capacity(args: argparse.Namespace, spec: ModelSpec, memory_bytes: int) -> Ca
     weights = (weight_bytes_of(spec, args.dtype) + _prompt_tiles_bytes(args, spec)
                + (0 if draft is None else draft.weight_bytes))
     budget = kv_math.memory_budget(memory_bytes, weights, reserve_fraction, reserve_bytes)
-    per_token = spec.config.kv_bytes_per_token(dtype_bytes(args.kv_dtype)) + (
+    per_token = spec.config.kv_bytes_per_token(kv_element_bytes(args.kv_dtype, spec.config.head_dim)) + (
         0 if draft is None else draft.kv_bytes_per_token)
     tokens = kv_math.kv_capacity_tokens(budget.kv_bytes, per_token, args.block_size)
     return Capacity(spec, budget, per_token, tokens, args.block_size, draft)
@@ -187,7 +189,7 @@ def service_time_estimate_s(args: argparse.Namespace, cap: Capacity, ctx: kv_mat
     at `batch` sequences of this context. Optimistic (no queueing inside)."""
     model = RooflineCostModel(cap.spec.config, _hardware(args),
                               cap.target_weight_bytes / max(1, cap.spec.config.num_parameters()),
-                              dtype_bytes(args.kv_dtype))
+                              kv_element_bytes(args.kv_dtype, cap.spec.config.head_dim))
     p = ctx.prompt_tokens
     prefill_s = model.step_time_s(StepShape(p, 0, p, p * (p + 1) // 2))
     held = int(ctx.mean_held_tokens)
@@ -233,15 +235,18 @@ def _float_fallback_json(args: argparse.Namespace, spec: ModelSpec, contexts) ->
     """For a model file planned at its own bytes: the same memory with the
     weights dequantized to float32 (`kvserve serve --quantization none`, or a
     file whose types the kernels cannot compute on): the capacity a fallback
-    to the unquantized weights costs. None when a dtype was named or the
-    model is a preset."""
+    to the unquantized weights costs (an int8 KV cache, which only the
+    quantized kernels read, in bfloat16 there). None when a dtype was named
+    or the model is a preset."""
     if args.dtype is not None or spec.weight_file_bytes is None:
         return None
-    fallback = argparse.Namespace(**{**vars(args), "dtype": "float32"})
+    kv_dtype = "bfloat16" if args.kv_dtype.strip().lower() == "int8" else args.kv_dtype
+    fallback = argparse.Namespace(**{**vars(args), "dtype": "float32", "kv_dtype": kv_dtype})
     cap = capacity(fallback, spec, _memory_bytes(args))
     table = kv_math.concurrency_table(cap.kv_capacity_tokens, cap.kv_bytes_per_token, contexts,
                                       cap.block_size)
-    return {"dtype": "float32", "weight_bytes": cap.budget.weight_bytes, "kv_cache_bytes": cap.budget.kv_bytes,
+    return {"dtype": "float32", "kv_dtype": kv_dtype, "weight_bytes": cap.budget.weight_bytes,
+            "kv_cache_bytes": cap.budget.kv_bytes,
             "kv_capacity_tokens": cap.kv_capacity_tokens, "fits": cap.budget.fits,
             "max_concurrency": [_row_json(r) for r in table]}
 
@@ -368,7 +373,8 @@ def _format_fallback(plan: dict) -> list[str]:
     if not fallback:
         return []
     lines = ["", f"float fallback (weights dequantized to float32, --quantization none): weights "
-             f"{_gib(fallback['weight_bytes'])}, KV capacity {fallback['kv_capacity_tokens']:,} tokens",
+             f"{_gib(fallback['weight_bytes'])}, KV capacity {fallback['kv_capacity_tokens']:,} tokens "
+             f"in {fallback['kv_dtype']}",
              f"{'total':>8} {'file weights':>14} {'float32':>10}"]
     for ours, theirs in zip(plan["max_concurrency"], fallback["max_concurrency"]):
         lines.append(f"{ours['total_tokens']:>8} {ours['max_concurrency']:>14,} {theirs['max_concurrency']:>10,}")

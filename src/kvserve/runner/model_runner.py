@@ -18,6 +18,7 @@ from torch import Tensor
 from kvserve import cpu_threads
 from kvserve.model_facts import memory
 from kvserve.model_facts.config import ModelConfig
+from kvserve.model.attention import NATIVE_MAX_GROUP, NATIVE_MAX_HEAD_DIM
 from kvserve.model.device import resolve_device, resolve_dtype
 from kvserve.model.llama import LlamaModel
 from kvserve.model.lora import LoraAdapter, LoraSlots, LoraStep
@@ -40,7 +41,7 @@ MIN_AUTO_KV_BYTES = 2**28
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return memory.kv_bytes_per_block(config, block_size, dtype.itemsize)
+    return memory.kv_bytes_per_block(config, block_size, memory.kv_element_bytes(str(dtype), config.head_dim))
 
 
 def auto_kv_cache_bytes(weight_bytes: int) -> int:
@@ -100,12 +101,18 @@ class ModelRunner:
                                             memory.prompt_tile_bytes(config)),
             batch_invariant=batch_invariant)
         self.kv_dtype = (auto_kv_cache_dtype(self.model, self.dtype) if kv_cache_dtype == "auto"
-                         else resolve_dtype(kv_cache_dtype))
+                         else torch.int8 if kv_cache_dtype == "int8" else resolve_dtype(kv_cache_dtype))
+        if self.kv_dtype == torch.int8 and not self.model.attends_natively:
+            raise ValueError("--kv-cache-dtype int8 needs the native CPU attention kernels: a model computed on "
+                             "quantized weights on CPU (--quantization auto with a GGUF file, or q8_0/q4_0/q4_1), "
+                             f"with at most {NATIVE_MAX_GROUP} query heads per KV head and head_dim "
+                             f"<= {NATIVE_MAX_HEAD_DIM}; use auto, bfloat16 or float32")
         self.weight_bytes = self.model.weight_bytes()
         if kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = auto_kv_cache_bytes(self.weight_bytes + extra_weight_bytes)
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
-        self.num_blocks = memory.num_kv_blocks(kv_cache_memory_bytes, config, block_size, self.kv_dtype.itemsize,
+        self.num_blocks = memory.num_kv_blocks(kv_cache_memory_bytes, config, block_size,
+                                               memory.kv_element_bytes(str(self.kv_dtype), config.head_dim),
                                                extra_kv_bytes_per_block)
         # [layers, slots, 2 (K, V), kv_heads, head_dim]: the pool's blocks, then one
         # scratch slot outside them that graph padding writes to and reads from.
@@ -141,9 +148,11 @@ class ModelRunner:
     def allocate_kv_cache(self) -> None:
         """(Re)allocate the KV cache tensor (zeroed, so resident at once) and, on CUDA, the decode graphs
         over it (captured again as steps need them)."""
+        # An int8 cache's rows carry their float32 scale first (memory.KV_ROW_SCALE_BYTES).
+        row = self.config.head_dim + (memory.KV_ROW_SCALE_BYTES if self.kv_dtype == torch.int8 else 0)
         self.kv_cache = torch.zeros(
             (self.config.num_hidden_layers, self.scratch_slot + 1, 2,
-             self.config.num_key_value_heads, self.config.head_dim), dtype=self.kv_dtype, device=self.device)
+             self.config.num_key_value_heads, row), dtype=self.kv_dtype, device=self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.decode_graphs = None if not self._use_graphs else DecodeGraphs(
             self.model, self.kv_caches, block_size=self.block_size, scratch_slot=self.scratch_slot,

@@ -27,7 +27,7 @@ from kvserve import compiled, flags
 from kvserve.bench import cli as bench_cli
 from kvserve.bench.report import SLO, build_report, format_table, parse_slo, write_report
 from kvserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig, parse_size
-from kvserve.model_facts.memory import blocks_in, dtype_bytes, num_kv_blocks
+from kvserve.model_facts.memory import blocks_in, kv_element_bytes, num_kv_blocks
 from kvserve.plan import kv_math
 from kvserve.plan.cli import add_model_arguments, draft_footprint, weight_bytes_of
 from kvserve.plan.hardware import HardwareProfile
@@ -182,13 +182,13 @@ def cost_model_and_num_blocks(args: argparse.Namespace, spec: ModelSpec) -> tupl
     if isinstance(hardware, LinearCostModel):
         return hardware, _profiled_num_blocks(args, spec, dict(hardware.engine))
     model = RooflineCostModel(spec.config, hardware, weights / max(1, spec.config.num_parameters()),
-                              dtype_bytes(args.kv_dtype), args.compute_efficiency,
+                              kv_element_bytes(args.kv_dtype, spec.config.head_dim), args.compute_efficiency,
                               args.bandwidth_efficiency, args.step_overhead_ms / 1000.0)
     draft = draft_footprint(args.speculative_config, args.dtype, args.kv_dtype)
     kv_bytes = parse_size(args.kv_cache_memory) if args.kv_cache_memory else \
         _kv_bytes_from_memory(args, hardware, weights + (0 if draft is None else draft.weight_bytes))
     draft_bytes_per_block = 0 if draft is None else draft.kv_bytes_per_token * args.block_size
-    return model, num_kv_blocks(kv_bytes, spec.config, args.block_size, dtype_bytes(args.kv_dtype),
+    return model, num_kv_blocks(kv_bytes, spec.config, args.block_size, kv_element_bytes(args.kv_dtype, spec.config.head_dim),
                                 draft_bytes_per_block)
 
 
@@ -202,7 +202,7 @@ def _profiled_num_blocks(args: argparse.Namespace, spec: ModelSpec, engine: dict
         return int(engine["num_blocks"])
     kv_bytes = parse_size(args.kv_cache_memory)
     if "kv_bytes_per_block" not in engine:
-        return num_kv_blocks(kv_bytes, spec.config, args.block_size, dtype_bytes(args.kv_dtype))
+        return num_kv_blocks(kv_bytes, spec.config, args.block_size, kv_element_bytes(args.kv_dtype, spec.config.head_dim))
     num_blocks = blocks_in(kv_bytes, int(engine["kv_bytes_per_block"]))
     if num_blocks < 1:
         raise ValueError(f"a KV cache of {kv_bytes} bytes holds no block of the profiled engine "

@@ -442,7 +442,7 @@ _CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 def cache_type(dtype: torch.dtype) -> int:
     """The kernels' code for a KV cache's dtype: float32, bfloat16, or int8
-    (rows of a float32 scale and head_dim int8 values: KV_ROW_SCALE_BYTES)."""
+    (rows of a float32 scale and head_dim int8 values: model_facts/memory.KV_ROW_SCALE_BYTES)."""
     if dtype not in _CACHE_TYPES:
         raise TypeError(f"the native kernels' KV cache is float32, bfloat16 or int8, got {dtype}")
     return _CACHE_TYPES[dtype]

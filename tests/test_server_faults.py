@@ -43,8 +43,15 @@ def test_a_failing_step_ends_every_request_with_a_clean_error_and_the_server_unh
                     first = await anext(lines)  # the first event: the request runs
                     plain = asyncio.ensure_future(client.post("/v1/completions",
                                                               json=body(max_tokens=300, stream=False)))
+                    # The second of two slots taken before the third request comes, so it waits (sent
+                    # together, the short one could take the slot, finish and leave before the fault).
+                    for _ in range(500):
+                        if core.num_running == 2:
+                            break
+                        await asyncio.sleep(0.01)
                     queued = asyncio.ensure_future(client.post("/v1/completions", json=body(max_tokens=5)))
-                    await asyncio.sleep(0.3)  # both reach the engine (one runs, one waits for a slot)
+                    await asyncio.sleep(0.3)  # it reaches the engine and waits for a slot
+                    assert core.num_running == 2
                     arm.set()
                     rest = [line async for line in lines]
                 events = [first, *rest]

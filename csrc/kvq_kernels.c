@@ -55,13 +55,15 @@ enum { KVQ_F32 = 0, KVQ_BF16 = 1 };
  * written (kvq_rope_write_kv). Half bfloat16's bytes for a decode row's
  * attention to read. */
 enum { KVQ_I8 = 2 };
+/* An int8 row's scale, before its values (model_facts/memory.KV_ROW_SCALE_BYTES). */
+#define KVQ_ROW_SCALE_BYTES 4
 
 /* Bytes of one cache row of D values. */
 static inline size_t cache_row_bytes(int cache_dtype, int64_t D) {
-    return cache_dtype == KVQ_I8 ? (size_t)D + 4 : (size_t)D * (cache_dtype == KVQ_BF16 ? 2 : 4);
+    return cache_dtype == KVQ_I8 ? (size_t)D + KVQ_ROW_SCALE_BYTES : (size_t)D * (cache_dtype == KVQ_BF16 ? 2 : 4);
 }
 
-/* An int8 cache row's scale (its first 4 bytes, unaligned). */
+/* An int8 cache row's scale (its first KVQ_ROW_SCALE_BYTES, unaligned). */
 static inline float cache_row_scale(const char* row) {
     float scale;
     memcpy(&scale, row, sizeof scale);
@@ -1592,7 +1594,7 @@ static void to_i8_rows_avx512(const float* src, char* dst, int64_t rows, int64_t
                                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
                                    : _mm512_setzero_ps();
             q = _mm512_min_ps(_mm512_max_ps(q, neg), lim);
-            _mm_storeu_si128((__m128i*)(row + 4 + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)));
+            _mm_storeu_si128((__m128i*)(row + KVQ_ROW_SCALE_BYTES + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)));
         }
     }
 }
@@ -1652,7 +1654,7 @@ static void rope_token(const void* ctx, int64_t t) {
             memcpy(row, &scale, sizeof scale);
             for (int64_t i = 0; i < D; i++) {
                 const float v = scale > 0.f ? nearbyintf(x[i] / scale) : 0.f;
-                row[4 + i] = (char)(int8_t)(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
+                row[KVQ_ROW_SCALE_BYTES + i] = (char)(int8_t)(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
             }
         }
         return;
@@ -1694,7 +1696,7 @@ void kvq_rope_write_kv(void* qkv, int dtype, int64_t T, int64_t ldq, const int64
 static inline void cache_row_floats(const char* row, int dtype, int64_t D, float* out) {
     if (dtype == KVQ_I8) {
         const float scale = cache_row_scale(row);
-        for (int64_t i = 0; i < D; i++) out[i] = scale * (float)(int8_t)row[4 + i];
+        for (int64_t i = 0; i < D; i++) out[i] = scale * (float)(int8_t)row[KVQ_ROW_SCALE_BYTES + i];
     } else if (dtype == KVQ_BF16) {
         for (int64_t i = 0; i < D; i++) out[i] = bf16_to_f32(((const uint16_t*)row)[i]);
     } else {
@@ -1795,11 +1797,11 @@ static void swiglu_avx2(const void* row, int xtype, int64_t K, float* out) {
     }
 }
 
-/* 8 floats of a cache row (float32 or bfloat16) at element i. */
+/* 8 floats of a cache row (float32, bfloat16 or scaled int8) at element i. */
 KVQ_AVX2 __m256 cache8_avx2(const char* row, int dtype, int64_t i) {
     if (dtype == KVQ_I8)
         return _mm256_mul_ps(_mm256_set1_ps(cache_row_scale(row)),
-                             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(row + 4 + i)))));
+                             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(row + KVQ_ROW_SCALE_BYTES + i)))));
     return load8_avx2(row, dtype, i);
 }
 
@@ -1918,7 +1920,7 @@ static inline void prefetch_tile(int64_t D, const char* cache, int dtype, int64_
 KVQ_AVX512 __m512 cache16_avx512(const char* row, int dtype, int64_t i) {
     if (dtype == KVQ_I8)
         return _mm512_mul_ps(_mm512_set1_ps(cache_row_scale(row)),
-                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + 4 + i)))));
+                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + KVQ_ROW_SCALE_BYTES + i)))));
     if (dtype == KVQ_BF16) {
         __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)row + i));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));

@@ -11,6 +11,7 @@ the adapter a request runs under."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import time
@@ -54,6 +55,53 @@ def test_views_take_a_stats_number_once_and_forget_gone_replicas():
     assert views.refresh("a", _stats(2, running=2)).num_running == 2  # new stats show it
     views.forget_except({"b"})
     assert views.views == {}
+
+
+def test_a_burst_routed_before_any_send_spreads_each_choice_seeing_the_ones_before():
+    # Ray's routing task chooses for every pending request of a burst before
+    # the first is sent: counted only at the send, all 8 went to one replica.
+    views = ReplicaViews(_Clock())
+    views.refresh("a", _stats(1, running=0))
+    views.refresh("b", _stats(1, running=0))
+    router = Router(RouterConfig("least-loaded"))
+    chosen = [views.choose(router, ["a", "b"], RouteRequest(10, 10), request_id=f"r{i}")[0][0] for i in range(8)]
+    assert sorted(collections.Counter(chosen).values()) == [4, 4], chosen
+    for replica in chosen:
+        views.on_sent(replica)
+    assert views.views["a"].num_running == views.views["b"].num_running == 4
+    for _ in range(4):
+        views.on_completed("a")
+    assert views.views["a"].num_running == 0 and views.views["b"].num_running == 4
+
+
+def test_a_choice_counts_once_until_sent_replaced_when_chosen_again_and_forgotten_unsent():
+    from kvserve.ray.views import CHOICE_KEPT_S
+
+    clock = _Clock()
+    views = ReplicaViews(clock)
+    views.refresh("a", _stats(1, running=0))
+    views.refresh("b", _stats(1, running=0))
+    router = Router(RouterConfig("least-loaded"))
+    a, b = views.views["a"], views.views["b"]
+    assert views.choose(router, ["a", "b"], RouteRequest(10, 10), request_id="r1") == [["a"], ["b"]]
+    assert (a.num_running, b.num_running) == (1, 0)
+    # Ray's backoff chooses the same request again, "a" left out: it moves.
+    assert views.choose(router, ["a", "b"], RouteRequest(10, 10), frozenset({"a"}), "r1") == [["b"]]
+    assert (a.num_running, b.num_running) == (0, 1)
+    views.on_sent("b")
+    assert (a.num_running, b.num_running) == (0, 1)  # taken over, not counted twice
+    # Sent to a replica it was not chosen for (a lower rank): counted at the send.
+    views.on_sent("a")
+    assert (a.num_running, b.num_running) == (1, 1)
+    # A choice never sent (the client left first) stops counting.
+    views.choose(router, ["a", "b"], RouteRequest(10, 10), request_id="r2")
+    assert a.num_running + b.num_running == 3
+    clock.now = CHOICE_KEPT_S + 1
+    views.choose(router, ["a", "b"], RouteRequest(10, 10), frozenset({"a", "b"}), "r3")  # chooses nothing
+    assert (a.num_running, b.num_running) == (1, 1)
+    views.on_completed("a")
+    views.on_completed("b")
+    assert (a.num_running, b.num_running) == (0, 0)
 
 
 def test_a_replica_ray_takes_out_of_the_running_set_is_stopping_until_forgotten():

@@ -2,7 +2,9 @@
 the replicas with `fleet.router` (the policy the gateway and the simulator
 use) over one `gateway.backends.BackendView` per replica, fed from the
 stats each replica records (`ModelReplica.record_routing_stats`) and the
-requests this router sent since (counted as the gateway counts its own).
+requests this router routed since (counted as the gateway counts its own,
+from the moment each is chosen: Ray chooses for a whole burst before it
+sends any of it, and each choice must see the ones before it).
 
 Ranks returned: the chosen replica first, then the other eligible ones,
 then the sleeping ones (a request routed there wakes nothing: it waits for
@@ -18,14 +20,12 @@ them for its fleet admission and its warm pool.
 
 from __future__ import annotations
 
-import collections
 import logging
 from collections.abc import Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvserve.fleet.router import RouteRequest, Router, RouterConfig
-from kvserve.gateway.backends import Sent
 from kvserve.ray.forward import ForwardedRequest
 from kvserve.ray.views import replica_views
 
@@ -41,8 +41,6 @@ class KVServeRouter(RequestRouter):
     def initialize_state(self, **router_kwargs) -> None:
         self._router = Router(RouterConfig(**router_kwargs))
         self._replica_views = replica_views(self._deployment_id.name)
-        self._sent: dict[str, collections.deque[Sent]] = {}  # per replica, oldest first
-        self._last_tokens = 0
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -52,8 +50,8 @@ class KVServeRouter(RequestRouter):
         forwarded = _forwarded(pending_request)
         route = forwarded.route if forwarded is not None else RouteRequest()
         exclude = forwarded.exclude if forwarded is not None else frozenset()
-        self._last_tokens = route.num_prompt_tokens + route.max_tokens
-        ranks = self._replica_views.rank(self._router, list(by_id), route, exclude)
+        request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
+        ranks = self._replica_views.choose(self._router, list(by_id), route, exclude, request_id)
         return [[by_id[i] for i in rank] for rank in ranks]
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -66,20 +64,12 @@ class KVServeRouter(RequestRouter):
         self._replica_views.forget_except({r.replica_id.unique_id for r in replicas})
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
-        """Ray sent a request there: count it (as the gateway counts its
-        sends) until that replica's stats show it. Ray passes no request
-        here, so its size is the latest one routed (sends follow their
-        routing decision on this one event loop)."""
+        """Ray sent a request there: its choice, counted since, is now in flight."""
         super().on_send_request(replica_id)
-        view = self._replica_views.views.get(replica_id.unique_id)
-        if view is not None:
-            self._sent.setdefault(replica_id.unique_id, collections.deque()).append(view.on_send(self._last_tokens))
+        self._replica_views.on_sent(replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        tickets = self._sent.get(replica_id.unique_id)
-        view = self._replica_views.views.get(replica_id.unique_id)
-        if tickets and view is not None:
-            view.on_done(tickets.popleft())
+        self._replica_views.on_completed(replica_id.unique_id)
 
 
 def _forwarded(pending_request: PendingRequest | None) -> ForwardedRequest | None:

@@ -13,18 +13,35 @@ there would not be the one the ingress sees. Pure bookkeeping, no Ray.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvserve.fleet.autoscale import ReplicaSignals
 from kvserve.fleet.router import RouteRequest, Router
-from kvserve.gateway.backends import BackendView, Scrape
+from kvserve.gateway.backends import BackendView, Scrape, Sent
 from kvserve.gateway.config import BackendConfig, BreakerConfig
 
 # How long a replica Ray took out of the running set is remembered as
 # stopping: it asks every stats period, so it learns within seconds; past
 # Ray's graceful timeout it is gone, and the entry only costs memory.
 STOPPING_KEPT_S = 600.0
+
+# How long a routing choice counts at its replica before Ray sends the
+# request there. Ray sends within milliseconds of choosing; a choice not
+# sent by then was cancelled, or Ray sent the request to a lower rank
+# (which counts it on its own when it is sent).
+CHOICE_KEPT_S = 5.0
+
+
+@dataclass
+class _Choice:
+    """A request routed to a replica and not sent yet: already counted there."""
+
+    replica_id: str
+    ticket: Sent
+    at: float
 
 
 class ReplicaViews:
@@ -42,6 +59,13 @@ class ReplicaViews:
         self.models: dict[str, str] = {}  # per replica: the base model's served name
         # Replicas Ray took out of the running set (stopping, or dead), and when.
         self.stopping: dict[str, float] = {}
+        # The router's own traffic, counted as the gateway counts its sends,
+        # from the choice on: Ray routes a burst's requests one after another
+        # before it sends any, and each choice must see the ones before it.
+        self._chosen: dict[str, _Choice] = {}  # by Ray's internal request id
+        self._unsent: dict[str, collections.deque[str]] = {}  # per replica: request ids chosen there, oldest first
+        self._sent: dict[str, collections.deque[Sent]] = {}  # per replica: tickets of requests sent there, oldest first
+        self._latest_tokens = 0
 
     def refresh(self, replica_id: str, stats: dict | None) -> BackendView:
         self.stopping.pop(replica_id, None)  # in the running set again
@@ -79,6 +103,9 @@ class ReplicaViews:
             self.signals.pop(gone, None)
             self.series.pop(gone, None)
             self.models.pop(gone, None)
+            self._unsent.pop(gone, None)
+            self._sent.pop(gone, None)
+        self._chosen = {i: c for i, c in self._chosen.items() if c.replica_id in self.views}
 
     def is_stopping(self, replica_id: str) -> bool:
         return replica_id in self.stopping
@@ -105,6 +132,63 @@ class ReplicaViews:
             ranks = [[chosen], [i for i in awake if i != chosen]]
         ranks.append(asleep)
         return [r for r in ranks if r]
+
+    # ---- the router's traffic ---------------------------------------------
+    def choose(self, router: Router, ids: Sequence[str], route: RouteRequest,
+               exclude: frozenset[str] = frozenset(), request_id: str | None = None) -> list[list[str]]:
+        """`rank`, and the request counted at the chosen replica at once
+        (until `on_sent` takes it over, or CHOICE_KEPT_S passes). Choosing
+        the same request again (Ray's backoff) replaces its earlier choice."""
+        self._expire_choices()
+        if request_id is not None:
+            self._withdraw(request_id)
+        ranks = self.rank(router, ids, route, exclude)
+        tokens = route.num_prompt_tokens + route.max_tokens
+        self._latest_tokens = tokens
+        chosen = ranks[0][0] if ranks else None
+        if request_id is not None and chosen is not None and not self.sleeping.get(chosen):
+            self._chosen[request_id] = _Choice(chosen, self.views[chosen].on_send(tokens), self.clock())
+            self._unsent.setdefault(chosen, collections.deque()).append(request_id)
+        return ranks
+
+    def on_sent(self, replica_id: str) -> None:
+        """Ray sent a request there (it does not say which): the oldest
+        choice of that replica is now in flight. A send with no choice
+        behind it (Ray fell back to a lower rank) is counted now, at the
+        latest routed request's size."""
+        self._expire_choices()
+        waiting = self._unsent.get(replica_id)
+        while waiting:
+            choice = self._chosen.pop(waiting.popleft(), None)
+            if choice is not None:
+                self._sent.setdefault(replica_id, collections.deque()).append(choice.ticket)
+                return
+        view = self.views.get(replica_id)
+        if view is not None:
+            self._sent.setdefault(replica_id, collections.deque()).append(view.on_send(self._latest_tokens))
+
+    def on_completed(self, replica_id: str) -> None:
+        """A request sent there finished: stop counting the oldest one."""
+        tickets = self._sent.get(replica_id)
+        view = self.views.get(replica_id)
+        if tickets and view is not None:
+            view.on_done(tickets.popleft())
+
+    def _withdraw(self, request_id: str) -> None:
+        choice = self._chosen.pop(request_id, None)
+        if choice is not None:
+            view = self.views.get(choice.replica_id)
+            if view is not None:
+                view.on_done(choice.ticket)
+            # Its id stays in the replica's unsent queue; on_sent skips it.
+
+    def _expire_choices(self) -> None:
+        now = self.clock()
+        for request_id in [i for i, c in self._chosen.items() if now - c.at > CHOICE_KEPT_S]:
+            self._withdraw(request_id)
+        for replica_id, waiting in self._unsent.items():
+            while waiting and waiting[0] not in self._chosen:
+                waiting.popleft()
 
 
 # Each deployment's views in this process, by deployment name.

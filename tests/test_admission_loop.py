@@ -30,7 +30,11 @@ CONFIG = SimConfig(SchedulerConfig(max_num_batched_tokens=160, max_num_seqs=10, 
                    CacheConfig(num_blocks=64, block_size=16),
                    AdmissionConfig(max_queue_wait_s=0.25, max_queue_len=8, queue_timeout_s=0.3, tpot_slo_s=0.012,
                                    degrade_wait_s=0.05, degrade_max_tokens=12),
-                   record_trace=True, fast_forward=False)
+                   record_trace=True, fast_forward=False,
+                   # Both sides start cold: the engine loop here runs no warm-up
+                   # (a simulated replica warms up through engine/warm_up.py's
+                   # warm_up, the server's own: tests/test_sim_burst_admission.py).
+                   warm_up=False)
 QUERIES = ("expired", "step_limits")  # pure questions; a simulated replica also asks them as it goes idle
 
 

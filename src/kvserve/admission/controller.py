@@ -161,18 +161,31 @@ class AdmissionController:
         return self._calibrated(wait_s), binding
 
     def _prefill_backlog_s(self, request: AdmissionRequest, now: float) -> float:
-        """Seconds until the prompts ahead of `request` are prefilled, at the
-        pace of the steps that prefill now (_prefill_pace_s). A request
-        starts only when its turn for prefill comes: with slots and KV free,
-        a queue of long prompts still holds it (at rate 1 the peers'
-        benchmark waited 11 s where slots and blocks promised 0.1 s)."""
+        """Seconds until the prompts ahead of `request` are prefilled, each at
+        the pace of the steps that will prefill it (_prefill_pace_s): beside
+        the sequences decoding now and those ahead of it that will decode by
+        then. A request starts only when its turn for prefill comes: with
+        slots and KV free, a queue of long prompts still holds it (at rate 1
+        the peers' benchmark waited 11 s where slots and blocks promised
+        0.1 s). Pricing a burst's whole queue at the pace of its first
+        prompt, prefilled alone, promised 1.5 s to requests that waited 2.1
+        s: every prompt after the first prefills beside the decodes of the
+        ones before it, in TPOT-sized steps."""
         # The last step's decoders are taken to be the longest started ones:
         # their prefill is done whatever pace it ran at.
         num_decoding = min(self.step_model.last_num_decode_seqs, self.num_started)
-        per_token_s = self._prefill_pace_s(num_decoding)
-        if per_token_s <= 0:
+        paces: dict[int, float] = {}
+        running_cap = self.running_cap()
+
+        def pace(decoders: int) -> float:
+            decoders = min(decoders, running_cap)
+            if decoders not in paces:
+                paces[decoders] = self._prefill_pace_s(decoders)
+            return paces[decoders]
+
+        if pace(num_decoding) <= 0:
             return 0.0
-        ahead = 0.0
+        wait_s = 0.0
         # Prompt blocks a request ahead prefills: a later request whose
         # prompt starts with them will find them cached when its turn
         # comes, so a prefix shared down a queue is counted once (a
@@ -183,6 +196,7 @@ class AdmissionController:
         block_size = self.block_size
         started = [(t.started_at, rid) for rid, t in self._tickets.items() if t.started] if num_decoding else []
         decoding = {rid for _, rid in heapq.nsmallest(num_decoding, started)}
+        decoders = num_decoding  # decoding once the prompts counted so far are prefilled
         for rid, t in self._tickets.items():
             if not t.started and t.request.priority > request.priority:
                 continue  # it waits behind this one
@@ -199,15 +213,18 @@ class AdmissionController:
                 tokens = max(0, tokens - shared * block_size)
             if rid in decoding:
                 continue
+            per_token_s = pace(decoders)
             if t.started:  # its prefill began at started_at and has gone on at the same pace
-                ahead += max(0.0, tokens - (now - t.started_at) / per_token_s)
+                wait_s += max(0.0, tokens - (now - t.started_at) / per_token_s) * per_token_s
             else:
-                ahead += tokens
-        return ahead * per_token_s
+                wait_s += tokens * per_token_s
+            if t.max_tokens > 1:  # it decodes beside the prompts after it
+                decoders += 1
+        return wait_s
 
     def _prefill_pace_s(self, num_decoding: int) -> float:
-        """Seconds per prompt token the steps prefill at now, with
-        `num_decoding` sequences decoding: beside decodes,
+        """Seconds per prompt token the steps prefill at with `num_decoding`
+        sequences decoding: beside decodes,
         the TPOT-sized step budget's pace where it binds; with no one
         decoding, the scheduler's own chunks (a step with no decode is not
         capped), which on an 8B model are 4x faster: priced at the budget's
@@ -230,7 +247,7 @@ class AdmissionController:
             return 0.0
         # Before the fit the budget caps every step (StepLimiter.step_limits).
         if fit is None or num_decoding > 0:
-            budget = self.step_limiter.prefill_token_budget(self.num_started)
+            budget = self.step_limiter.prefill_token_budget(num_decoding)
             if budget:
                 return max(per_token_s, self.step_limiter.step_budget_s / budget)
         elif fit is not None and self.max_num_batched_tokens:

@@ -432,6 +432,23 @@ class EngineCore:
     def num_kv_blocks(self) -> int:
         return self.runner.num_blocks
 
+    # The engine's sizes, as the warm-up plans its steps (engine/warm_up.py).
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.config.max_num_batched_tokens
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
     @property
     def kv_cache_dtype(self) -> str:
         """The KV cache's element type as resolved ("float32", "bfloat16"); a

@@ -28,7 +28,7 @@ from kvserve.admission.controller import AdmissionController
 from kvserve.admission.decision import AdmissionDecision, Outcome, whole_seconds
 from kvserve.admission.loop import AdmissionLoop
 from kvserve.admission.step_limits import StepLimits
-from kvserve.admission.step_time import MIN_FIT_STEPS
+from kvserve.engine.warm_up import WARM_UP_MIN_STEPS
 from kvserve.admission.tenants import Tenant, TenantDirectory
 from kvserve.config import AdmissionConfig, ServerConfig
 from kvserve.contract import InvalidParameter, ResolvedVersions
@@ -55,10 +55,6 @@ log = logging.getLogger(__name__)
 _TRACED_HEADERS: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar("traced_headers", default={})
 
 CLIENT_ABORTS = {"disconnect", "stalled"}
-# Measured warm-up steps: admission fits the step time from MIN_FIT_STEPS
-# (decayed weight) on; a few more leave margin for the decay.
-WARM_UP_MIN_STEPS = MIN_FIT_STEPS + 4
-
 
 class Serving:
     """Owns the async engine, the admission loop it drives, metrics and tenants."""

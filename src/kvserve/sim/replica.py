@@ -30,13 +30,14 @@ import bisect
 import functools
 import itertools
 import operator
-from typing import Final
+from typing import Final, NamedTuple
 
 from kvserve.admission.controller import AdmissionController
 from kvserve.admission.decision import AdmissionDecision, Reason, reject
 from kvserve.admission.loop import AdmissionLoop
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
 from kvserve.contract import Request
+from kvserve.engine.warm_up import WARM_UP_MIN_STEPS, warm_up
 from kvserve.fleet.autoscale import QueueWaitWindow
 from kvserve.fleet.backend_state import DrainMeter
 from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput
@@ -50,6 +51,8 @@ from kvserve.sim.speculation import SimSpeculation, SimulatedDrafts
 # since requests run with ignore_eos.
 SIM_TOKEN_ID: Final = 1
 SIM_EOS_TOKEN_ID: Final = 0
+# The warm-up's prompts need token ids; the simulation samples none of them.
+SIM_VOCAB_SIZE: Final = 32_000
 class ReplicaHost:
     """What a replica needs of the simulation around it (the Simulator):
     an event when a step ends, and the record of a request that ended."""
@@ -83,6 +86,50 @@ class Recorded:
         return call
 
 
+class _WarmUpStep(NamedTuple):
+    num_decode_seqs: int
+    num_prefill_tokens: int
+    captured_graph: bool
+
+
+class SimulatedWarmUpCore:
+    """A replica's scheduler as engine/warm_up.py drives an EngineCore
+    (its WarmUpCore): each step scheduled, priced by the cost model on a
+    timer of its own (`elapsed_s`) and updated with SIM_TOKEN_ID."""
+
+    def __init__(self, scheduler: Scheduler, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 cost_model: CostModel, clock: VirtualClock) -> None:
+        self.scheduler = scheduler
+        self.cost_model = cost_model
+        self.clock = clock
+        self.block_size = cache_config.block_size
+        self.num_kv_blocks = cache_config.num_blocks
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.vocab_size = SIM_VOCAB_SIZE
+        self.eos_token_ids = (SIM_EOS_TOKEN_ID,)
+        self._elapsed_s = 0.0
+
+    def elapsed_s(self) -> float:
+        return self._elapsed_s
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def step(self) -> _WarmUpStep:
+        out = self.scheduler.schedule()
+        self._elapsed_s += step_time_at_s(self.cost_model, chunk_shape(out.chunks), self.clock.now_s)
+        self.scheduler.update(out, {c.request.request_id: SIM_TOKEN_ID for c in out.chunks if c.samples})
+        return _WarmUpStep(out.num_decode_seqs, out.num_prefill_tokens, False)
+
+    def abort(self, request_id: str) -> object:
+        return self.scheduler.abort(request_id)
+
+    def reset_prefix_cache(self) -> None:
+        self.scheduler.reset_prefix_cache()
+
+
 class Replica:
     """One simulated server: the real scheduler and the admission loop."""
 
@@ -90,7 +137,7 @@ class Replica:
                  admission_config: AdmissionConfig | None, cost_model: CostModel, host: ReplicaHost,
                  clock: VirtualClock, ready_s: float, sim_clock: VirtualClock, *,
                  fast_forward: bool = True, record_trace: bool = False, look_back_s: float = 10.0,
-                 speculation: SimSpeculation | None = None) -> None:
+                 speculation: SimSpeculation | None = None, warm_up: bool = True) -> None:
         self.index = index
         self.name = f"replica-{index}"  # its identity on the router's hash ring
         self.started_s = clock.now_s  # when it was asked for
@@ -118,6 +165,8 @@ class Replica:
             self._controller = controller
             self.admission = AdmissionLoop(controller if self.trace is None else
                                            Recorded(controller, clock, self.trace))
+            if warm_up:
+                self._warm_up(scheduler_config, cache_config)
         self.in_flight: SchedulerOutput | None = None
         self.in_flight_shape: StepShape | None = None  # chunk_shape of in_flight
         self.step_started_s = 0.0
@@ -143,6 +192,17 @@ class Replica:
         # How much of the work the fast path took (results never depend on it).
         self.num_decode_runs = 0  # multi-step runs planned
         self.num_joined_steps = 0  # run steps that also started waiting requests
+
+    def _warm_up(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        """The server's warm-up (engine/warm_up.py) through this replica's
+        scheduler, its steps priced by the cost model, fed to admission as
+        the server feeds its measured ones. Takes no simulated time: a live
+        server warms up before it is ready. Leaves no request, cached block
+        or preemption behind, as the live one."""
+        core = SimulatedWarmUpCore(self.scheduler, scheduler_config, cache_config, self.cost_model, self.clock)
+        steps = warm_up(core, WARM_UP_MIN_STEPS, timer=core.elapsed_s)
+        assert self.admission is not None
+        self.admission.on_steps_end(steps)
 
     # -- what the simulation reads -------------------------------------------
     @property

@@ -142,6 +142,11 @@ class SimConfig:
     retry budget). None: on for a fleet (more than one replica, or
     autoscaling), off for one replica (`kvserve serve` alone); never
     without admission.
+    warm_up: each replica runs the server's measured warm-up
+    (engine/warm_up.py) before it serves, its steps priced by the cost
+    model, so its admission starts with the step-time fit a live server
+    starts with (`kvserve serve` warms up by default). False: replicas
+    start cold, admitting their first burst on guesses.
     """
 
     scheduler: SchedulerConfig
@@ -160,6 +165,7 @@ class SimConfig:
     losses: tuple[ReplicaLoss, ...] = ()
     slowdowns: tuple[ReplicaSlowdown, ...] = ()
     front_door: bool | None = None
+    warm_up: bool = True
 
     def __post_init__(self) -> None:
         if not self.frontend_latency_s >= 0:
@@ -280,7 +286,7 @@ class Simulator(ReplicaHost):
         return Replica(index, config.scheduler, config.cache, config.admission, cost_model, self, clock,
                        ready_s, self.clock, fast_forward=config.fast_forward, record_trace=config.record_trace,
                        look_back_s=config.autoscale.fleet.look_back_s if config.autoscale is not None else 10.0,
-                       speculation=config.speculation)
+                       speculation=config.speculation, warm_up=config.warm_up)
 
     # -- the loop ----------------------------------------------------------
     def run(self, specs: list[RequestSpec], offsets_s: list[float]) -> SimResult:
@@ -464,8 +470,8 @@ class Simulator(ReplicaHost):
         now = self.clock.now_s
         self._records.append(RequestRecord(
             index=spec.index, outcome="rejected", scheduled_s=sent, sent_s=sent, end_s=now,
-            status_code=status, reject_reason=reason, tenant=spec.tenant, priority=spec.priority,
-            prompt_tokens=spec.prompt_tokens, expected_output_tokens=spec.output_tokens,
+            status_code=status, reject_reason=None if reason is None else str(reason), tenant=spec.tenant,
+            priority=spec.priority, prompt_tokens=spec.prompt_tokens, expected_output_tokens=spec.output_tokens,
             last_sent_s=sent, error=message or None))
 
     # -- ends ----------------------------------------------------------------
@@ -499,7 +505,8 @@ class Simulator(ReplicaHost):
         self._records.append(RequestRecord(
             index=spec.index, outcome=outcome, scheduled_s=sent, sent_s=sent,
             headers_s=stamps.arrival, token_events=self._token_events(stamps.token_times),
-            end_s=replica.clock.now_s, status_code=status, reject_reason=reason, tenant=spec.tenant,
+            end_s=replica.clock.now_s, status_code=status, reject_reason=None if reason is None else str(reason),
+            tenant=spec.tenant,
             priority=spec.priority, prompt_tokens=spec.prompt_tokens,
             output_tokens=request.num_output_tokens, expected_output_tokens=spec.output_tokens,
             last_sent_s=sent, queue_s=queue_s))

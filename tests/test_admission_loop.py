@@ -32,7 +32,7 @@ CONFIG = SimConfig(SchedulerConfig(max_num_batched_tokens=160, max_num_seqs=10, 
                                    degrade_wait_s=0.05, degrade_max_tokens=12),
                    record_trace=True, fast_forward=False,
                    # Both sides start cold: the engine loop here runs no warm-up
-                   # (a simulated replica warms up through engine/warm_up.py's
+                   # (a simulated replica warms up through admission/warm_up.py's
                    # warm_up, the server's own: tests/test_sim_burst_admission.py).
                    warm_up=False)
 QUERIES = ("expired", "step_limits")  # pure questions; a simulated replica also asks them as it goes idle

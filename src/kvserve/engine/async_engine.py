@@ -46,7 +46,7 @@ from kvserve.contract import Request, RequestTimestamps
 from kvserve.engine.core import EngineCore
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.speculative import SpecDecodeCounts
-from kvserve.engine.warm_up import MeasuredStep, warm_up
+from kvserve.admission.warm_up import MeasuredStep, warm_up
 from kvserve.scheduler.scheduler import SchedulerOutput, SchedulerStats
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class AsyncEngine:
 
     def warm_up(self, num_steps: int = 12, max_decode_seqs: int = 16,
                 time_budget_s: float = 10.0) -> list[MeasuredStep]:
-        """Before `start`: time throwaway steps (engine/warm_up.py) and feed
+        """Before `start`: time throwaway steps (admission/warm_up.py) and feed
         them to admission, so the step-time fit exists before the first
         real request. Returns the measured steps."""
         if self._thread is not None:

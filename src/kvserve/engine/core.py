@@ -432,7 +432,7 @@ class EngineCore:
     def num_kv_blocks(self) -> int:
         return self.runner.num_blocks
 
-    # The engine's sizes, as the warm-up plans its steps (engine/warm_up.py).
+    # The engine's sizes, as the warm-up plans its steps (admission/warm_up.py).
     @property
     def block_size(self) -> int:
         return self.config.block_size

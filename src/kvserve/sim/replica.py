@@ -37,7 +37,7 @@ from kvserve.admission.decision import AdmissionDecision, Reason, reject
 from kvserve.admission.loop import AdmissionLoop
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
 from kvserve.contract import Request
-from kvserve.engine.warm_up import WARM_UP_MIN_STEPS, warm_up
+from kvserve.admission.warm_up import WARM_UP_MIN_STEPS, warm_up
 from kvserve.fleet.autoscale import QueueWaitWindow
 from kvserve.fleet.backend_state import DrainMeter
 from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput
@@ -93,7 +93,7 @@ class _WarmUpStep(NamedTuple):
 
 
 class SimulatedWarmUpCore:
-    """A replica's scheduler as engine/warm_up.py drives an EngineCore
+    """A replica's scheduler as admission/warm_up.py drives an EngineCore
     (its WarmUpCore): each step scheduled, priced by the cost model on a
     timer of its own (`elapsed_s`) and updated with SIM_TOKEN_ID."""
 
@@ -194,7 +194,7 @@ class Replica:
         self.num_joined_steps = 0  # run steps that also started waiting requests
 
     def _warm_up(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
-        """The server's warm-up (engine/warm_up.py) through this replica's
+        """The server's warm-up (admission/warm_up.py) through this replica's
         scheduler, its steps priced by the cost model, fed to admission as
         the server feeds its measured ones. Takes no simulated time: a live
         server warms up before it is ready. Leaves no request, cached block

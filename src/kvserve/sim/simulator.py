@@ -143,7 +143,7 @@ class SimConfig:
     autoscaling), off for one replica (`kvserve serve` alone); never
     without admission.
     warm_up: each replica runs the server's measured warm-up
-    (engine/warm_up.py) before it serves, its steps priced by the cost
+    (admission/warm_up.py) before it serves, its steps priced by the cost
     model, so its admission starts with the step-time fit a live server
     starts with (`kvserve serve` warms up by default). False: replicas
     start cold, admitting their first burst on guesses.

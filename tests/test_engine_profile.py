@@ -113,7 +113,11 @@ def test_profile_command_writes_a_curve_that_simulate_reads(tmp_path, capsys):
     assert "curve: 1:" in printed and "step jitter" in printed and "serving loop overhead" in printed
     assert "speed drift (4 bins of 0.25 s)" in printed  # 1 s of back-to-back steps
     drift = document["speed_drift"]
-    assert drift["num_bins"] == len(drift["factors"]) == 4 and drift["p50"] == pytest.approx(1.0, rel=0.2)
+    # Each bin's median step over the whole trace's: around 1, by how much
+    # is the machine's (a shared CI box's bins read p50 1.22 once), so only
+    # the normalization is checked here (SpeedDrift.of_steps is tested exactly
+    # in test_sim_cost_model.py).
+    assert drift["num_bins"] == len(drift["factors"]) == 4 and 0.5 < drift["p50"] < 2.0
     loop = document["serving_loop"]
     assert loop["num_steps"] == 6 * 23 and loop["overhead_per_step_s"] > 0  # 6 requests of 24 tokens
     rc = main(["simulate", "--model", str(folder), "--hardware", str(out), "--workload", "short",

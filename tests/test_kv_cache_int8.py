@@ -127,8 +127,9 @@ def test_prompt_rows_attend_on_the_tiles_over_an_int8_cache(d, h, hkv):
 def test_an_int8_kv_cache_holds_more_tokens_and_serves_the_model():
     """The engine with --kv-cache-dtype int8: 2 * D / (D + 4) times the
     bfloat16 cache's blocks in the same memory (the scale counted by the one
-    KV-bytes rule); greedy tokens as with the bfloat16 cache on these
-    prompts; the one-call step and the layer-by-layer path give the same
+    KV-bytes rule); greedy tokens as with the bfloat16 cache up to a near
+    tie, the logprobs within the cache's drift; the one-call step and the
+    layer-by-layer path give the same
     tokens and logprobs, bit for bit; a model the native kernels do not run
     refuses the cache, naming why."""
     from kvserve.contract import SamplingParams
@@ -136,7 +137,7 @@ def test_an_int8_kv_cache_holds_more_tokens_and_serves_the_model():
     from tests.tiny_models import random_prompts, run_to_completion, tiny_engine, tiny_llama
 
     hf = tiny_llama(seed=12)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     prompts = random_prompts([21, 9, 33, 14], seed=3)
     d = hf.config.hidden_size // hf.config.num_attention_heads
     assert kv_element_bytes("int8", d) == 1 + 4 / d
@@ -150,11 +151,23 @@ def test_an_int8_kv_cache_holds_more_tokens_and_serves_the_model():
     assert abs(runner.num_blocks / wide.runner.num_blocks - 2 * d / (d + 4)) < 0.01
 
     def run(engine) -> list:
-        return [(o.token_ids, [lp.logprob for lp in o.logprobs])
+        return [(o.token_ids, [(lp.logprob, lp.top) for lp in o.logprobs])
                 for o in run_to_completion(engine, prompts, params).values()]
 
     int8_outputs = run(narrow)
-    assert [tokens for tokens, _ in int8_outputs] == [tokens for tokens, _ in run(wide)]
+    # The tiny random model's logits are nearly flat: the int8 cache moves a
+    # logprob by up to ~0.2 nats, so greedy decoding may part at a near tie
+    # (on the 2026-12-07 EPYC one prompt did, at a 0.03-nat gap) and then go
+    # its own way. Up to there the same tokens; there, a tie.
+    drift = 0.25
+    for (tokens, logprobs), (wide_tokens, wide_logprobs) in zip(int8_outputs, run(wide)):
+        for token, wide_token, (logprob, _), (wide_logprob, wide_top) in zip(tokens, wide_tokens, logprobs,
+                                                                              wide_logprobs):
+            if token != wide_token:
+                alternatives = dict(wide_top)
+                assert token in alternatives and wide_logprob - alternatives[token] < drift, (token, wide_top)
+                break
+            assert abs(logprob - wide_logprob) < drift, (tokens, wide_tokens)
     per_op = tiny_engine(hf, quantization="q8_0", kv_cache_dtype="int8", **memory)
     per_op.runner.model.native_decode = None
     assert run(per_op) == int8_outputs

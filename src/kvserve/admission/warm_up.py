@@ -51,14 +51,29 @@ class WarmUpCore(Protocol):
     """What the warm-up drives: an EngineCore, or a simulated replica's
     scheduler (sim/replica.py, SimulatedWarmUpCore)."""
 
-    block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    num_kv_blocks: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    clock: Callable[[], float]
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def max_num_seqs(self) -> int: ...
+
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+
+    @property
+    def num_kv_blocks(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
 
     def add_request(self, request: Request) -> None: ...
 

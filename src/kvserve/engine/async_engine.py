@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 from kvserve.admission.decision import AdmissionDecision, QueueWait, Reason
 from kvserve.admission.loop import AdmissionLoop
 from kvserve.admission.step_limits import StepLimits
+from kvserve.admission.warm_up import MeasuredStep, warm_up
 from kvserve.contract import Request, RequestTimestamps
 from kvserve.engine.core import EngineCore
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.speculative import SpecDecodeCounts
-from kvserve.admission.warm_up import MeasuredStep, warm_up
 from kvserve.scheduler.scheduler import SchedulerOutput, SchedulerStats
 
 log = logging.getLogger(__name__)

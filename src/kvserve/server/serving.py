@@ -28,8 +28,8 @@ from kvserve.admission.controller import AdmissionController
 from kvserve.admission.decision import AdmissionDecision, Outcome, whole_seconds
 from kvserve.admission.loop import AdmissionLoop
 from kvserve.admission.step_limits import StepLimits
-from kvserve.admission.warm_up import WARM_UP_MIN_STEPS
 from kvserve.admission.tenants import Tenant, TenantDirectory
+from kvserve.admission.warm_up import WARM_UP_MIN_STEPS
 from kvserve.config import AdmissionConfig, ServerConfig
 from kvserve.contract import InvalidParameter, ResolvedVersions
 from kvserve.engine.async_engine import AsyncEngine, Finished, StepReport

@@ -36,9 +36,9 @@ from typing import Final, NamedTuple
 from kvserve.admission.controller import AdmissionController
 from kvserve.admission.decision import AdmissionDecision, Reason, reject
 from kvserve.admission.loop import AdmissionLoop
+from kvserve.admission.warm_up import WARM_UP_MIN_STEPS, warm_up
 from kvserve.config import AdmissionConfig, CacheConfig, SchedulerConfig
 from kvserve.contract import Request
-from kvserve.admission.warm_up import WARM_UP_MIN_STEPS, warm_up
 from kvserve.fleet.autoscale import QueueWaitWindow
 from kvserve.fleet.backend_state import DrainMeter
 from kvserve.scheduler.scheduler import Scheduler, SchedulerOutput
@@ -54,6 +54,8 @@ SIM_TOKEN_ID: Final = 1
 SIM_EOS_TOKEN_ID: Final = 0
 # The warm-up's prompts need token ids; the simulation samples none of them.
 SIM_VOCAB_SIZE: Final = 32_000
+
+
 class ReplicaHost:
     """What a replica needs of the simulation around it (the Simulator):
     an event when a step ends, and the record of a request that ended."""

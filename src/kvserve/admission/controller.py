@@ -155,12 +155,12 @@ class AdmissionController:
             # for a 3 s wait). Observed waits correct it (_calibrated).
             seq_wait = self._slot_free_wait_s(seqs_ahead - self.num_started, running_cap, now)
         wait_s, binding = (kv_wait, Reason.KV_CACHE) if kv_wait >= seq_wait else (seq_wait, Reason.BATCH_SLOTS)
-        prefill_wait = self._prefill_backlog_s(request, now)
+        prefill_wait = self._prefill_backlog_s(request, now, running_cap)
         if prefill_wait > max(wait_s, SHORT_WAIT_S):  # a few ms of prompts ahead is starting at once
             wait_s, binding = prefill_wait, Reason.PREFILL_BACKLOG
         return self._calibrated(wait_s), binding
 
-    def _prefill_backlog_s(self, request: AdmissionRequest, now: float) -> float:
+    def _prefill_backlog_s(self, request: AdmissionRequest, now: float, running_cap: int) -> float:
         """Seconds until the prompts ahead of `request` are prefilled, each at
         the pace of the steps that will prefill it (_prefill_pace_s): beside
         the sequences decoding now and those ahead of it that will decode by
@@ -175,7 +175,6 @@ class AdmissionController:
         # their prefill is done whatever pace it ran at.
         num_decoding = min(self.step_model.last_num_decode_seqs, self.num_started)
         paces: dict[int, float] = {}
-        running_cap = self.running_cap()
 
         def pace(decoders: int) -> float:
             decoders = min(decoders, running_cap)

@@ -186,7 +186,7 @@ class ReplicaViews:
         now = self.clock()
         for request_id in [i for i, c in self._chosen.items() if now - c.at > CHOICE_KEPT_S]:
             self._withdraw(request_id)
-        for replica_id, waiting in self._unsent.items():
+        for waiting in self._unsent.values():
             while waiting and waiting[0] not in self._chosen:
                 waiting.popleft()
 

@@ -30,7 +30,6 @@ import bisect
 import functools
 import itertools
 import operator
-from collections.abc import Callable
 from typing import Final, NamedTuple
 
 from kvserve.admission.controller import AdmissionController
@@ -104,42 +103,15 @@ class SimulatedWarmUpCore:
                  cost_model: CostModel, clock: VirtualClock) -> None:
         self.scheduler = scheduler
         self.cost_model = cost_model
-        self.sim_clock = clock
-        self.scheduler_config = scheduler_config
-        self.cache_config = cache_config
+        self.clock = clock
+        self.block_size = cache_config.block_size
+        self.num_kv_blocks = cache_config.num_blocks
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.vocab_size = SIM_VOCAB_SIZE
+        self.eos_token_ids: tuple[int, ...] = (SIM_EOS_TOKEN_ID,)
         self._elapsed_s = 0.0
-
-    @property
-    def clock(self) -> Callable[[], float]:
-        return self.sim_clock
-
-    @property
-    def block_size(self) -> int:
-        return self.cache_config.block_size
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.cache_config.num_blocks
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self.scheduler_config.max_num_seqs
-
-    @property
-    def max_num_batched_tokens(self) -> int:
-        return self.scheduler_config.max_num_batched_tokens
-
-    @property
-    def max_model_len(self) -> int:
-        return self.scheduler_config.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return SIM_VOCAB_SIZE
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return (SIM_EOS_TOKEN_ID,)
 
     def elapsed_s(self) -> float:
         return self._elapsed_s
@@ -149,7 +121,7 @@ class SimulatedWarmUpCore:
 
     def step(self) -> _WarmUpStep:
         out = self.scheduler.schedule()
-        self._elapsed_s += step_time_at_s(self.cost_model, chunk_shape(out.chunks), self.sim_clock.now_s)
+        self._elapsed_s += step_time_at_s(self.cost_model, chunk_shape(out.chunks), self.clock.now_s)
         self.scheduler.update(out, {c.request.request_id: SIM_TOKEN_ID for c in out.chunks if c.samples})
         return _WarmUpStep(out.num_decode_seqs, out.num_prefill_tokens, False)
 

@@ -169,7 +169,7 @@ static int amx_enabled(void);
  * changed since) is refused, not called with arguments in the wrong places.
  * Raise it with any change to an exported signature or struct, or to what
  * an argument's values mean (2: cache_dtype KVQ_I8). */
-#define KVQ_ABI_VERSION 2
+#define KVQ_ABI_VERSION 3
 int kvq_abi_version(void) { return KVQ_ABI_VERSION; }
 
 /* mode 0: the best path the CPU has; 1: pin the portable path; 2: AVX2 without
@@ -2211,8 +2211,8 @@ static int same_sequence(const int64_t* block_table, int64_t max_blocks, int64_t
  * there are rows enough to keep the threads busy, or one thread takes them
  * all (attend_row_heads: whole slots read in order, 1.2-1.27x on a batch-1
  * decode step at 128-2,000 positions), else to one item per head. Returns the count, or -1 when the scratch cannot be had. */
-static int64_t attention_items(const int64_t* block_table, int64_t max_blocks, int64_t B, int64_t H, int64_t Hkv,
-                               int64_t D, int num_threads, attention_item** out) {
+static int64_t attention_items(const int64_t* block_table, int64_t max_blocks, int64_t B, const uint8_t* skip,
+                               int64_t H, int64_t Hkv, int64_t D, int num_threads, attention_item** out) {
     static __thread void* scratch = NULL;
     static __thread int64_t capacity = 0;
     attention_item* buffer = grown(&scratch, &capacity, B * Hkv * (int64_t)sizeof(attention_item));
@@ -2221,7 +2221,7 @@ static int64_t attention_items(const int64_t* block_table, int64_t max_blocks, i
     const int64_t fit = KVQ_MAX_GROUP * KVQ_MAX_D / width;  /* rows (or heads) the buffers hold */
     int64_t alone = 0;
     for (int64_t r = 0; r < B; r++)
-        alone += (r == 0 || !same_sequence(block_table, max_blocks, r - 1, r))
+        alone += !(skip != NULL && skip[r]) && (r == 0 || !same_sequence(block_table, max_blocks, r - 1, r))
                  && (r + 1 == B || !same_sequence(block_table, max_blocks, r, r + 1));
     const int all_heads = Hkv > 1 && Hkv <= KVQ_ATTEND_ROWS && Hkv <= fit && (threads == 1 || alone >= 2 * threads);
     int64_t rows_per_item = B * Hkv / (16 * threads);
@@ -2230,7 +2230,12 @@ static int64_t attention_items(const int64_t* block_table, int64_t max_blocks, i
     int64_t count = 0;
     for (int64_t r = 0; r < B;) {
         int64_t end = r + 1;
-        while (end < B && same_sequence(block_table, max_blocks, end - 1, end)) end++;
+        while (end < B && same_sequence(block_table, max_blocks, end - 1, end)
+               && (skip == NULL || skip[end] == skip[r])) end++;
+        if (skip != NULL && skip[r]) {  /* rows another kernel took */
+            r = end;
+            continue;
+        }
         if (end == r + 1 && all_heads) {
             buffer[count++] = (attention_item){(int32_t)r, (int32_t)end, 0, (int32_t)Hkv};
         } else {
@@ -2497,35 +2502,298 @@ static int prompt_attention(const void* q, int dtype, int64_t ldq, const void* c
 }
 #endif
 
+/* ---- a run of rows attends across vector lanes (AVX-512) -------------------
+ *
+ * The row kernel takes one query row at a time: per (row, key) D/16 FMAs and
+ * a horizontal sum, and a prompt is many rows over the same keys (~20% of a
+ * 256-token prefill on a CPU without AMX, ~2/3 of a 2,048-token one). Here
+ * 16 queries of one KV head sit in the 16 lanes of a vector: a run's rows
+ * times that head's query heads, row-major (query i: row i / group, head
+ * i % group), so the scores of one key for all 16 are D FMAs, each key
+ * element broadcast from memory, and P V is the same with each value element
+ * broadcast: no horizontal sums, and every FMA does 16 queries' work.
+ *
+ * Per run and KV head, the keys and values are first copied to float32, row
+ * after row (the pack), so every item of the run reads them in order; then
+ * each item of 16 queries runs the softmax online over 32-key tiles at
+ * absolute positions (0, 32, ...). Every lane by itself: masked past its own
+ * context, left untouched by a tile that holds none of its keys. So a query's
+ * result depends only on its own row, its context and the cache, whichever
+ * queries share its vector or its run. Float32 throughout, as the row kernel
+ * (the same values up to summation order). */
+
+#ifdef KVQ_X86
+/* The rows of a 16 x 16 block of floats become its columns: r[c] holds
+ * element c of the 16 input rows, in their order. */
+KVQ_AVX512 void transpose16_avx512(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  /* per 128-bit lane L: r[i + c] holds column 4L + c of rows i..i+3 */
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int c = 0; c < 4; c++) {  /* gather the four 128-bit lanes of each column */
+        const __m512 u0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88), u1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xdd);
+        const __m512 u2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+        const __m512 u3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xdd);
+        t[c] = _mm512_shuffle_f32x4(u0, u2, 0x88);
+        t[4 + c] = _mm512_shuffle_f32x4(u1, u3, 0x88);
+        t[8 + c] = _mm512_shuffle_f32x4(u0, u2, 0xdd);
+        t[12 + c] = _mm512_shuffle_f32x4(u1, u3, 0xdd);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* A run: rows r0..r1-1 of one sequence, L its longest context; pack: where
+ * its heads' float32 K and V start (floats), each head's K (Lp x D) then V. */
+typedef struct { int64_t r0, r1, L, pack; } lane_run;
+/* Pack: run, kvh, a 32-key tile (q0). Attend: run, kvh, queries q0..q0+nq-1 (<= 16). */
+typedef struct { int32_t run, kvh, q0, nq; } lane_item;
+
+typedef struct {
+    const void* q; int dtype; int64_t ldq; const char* cache; int cache_dtype;
+    const int64_t *block_table, *context_lens;
+    int64_t max_blocks, block_size, H, Hkv, D; float scale; void* out;
+    const lane_run* runs; const lane_item* items; float* packs;
+    int* failed;  /* set where a thread's scratch could not be had */
+} lane_job;
+
+static int64_t lane_pack_floats(int64_t L, int64_t D) { return (L + KVQ_TILE - 1) / KVQ_TILE * KVQ_TILE * 2 * D; }
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
+static void lane_pack_chunk(const void* ctx, int64_t index) {
+    const lane_job* j = ctx;
+    const lane_item* it = j->items + index;
+    const lane_run* s = j->runs + it->run;
+    const int64_t D = j->D, Lp = (s->L + KVQ_TILE - 1) / KVQ_TILE * KVQ_TILE;
+    const size_t row_bytes = cache_row_bytes(j->cache_dtype, D), slot_bytes = 2 * (size_t)j->Hkv * row_bytes;
+    const int64_t* blocks = j->block_table + s->r0 * j->max_blocks;
+    float* kpack = j->packs + s->pack + it->kvh * lane_pack_floats(s->L, D);
+    float* vpack = kpack + Lp * D;
+    const int64_t p1 = it->q0 + KVQ_TILE < s->L ? it->q0 + KVQ_TILE : s->L;
+    for (int64_t p = it->q0; p < p1; p++) {
+        const char* krow = j->cache + (size_t)(blocks[p / j->block_size] * j->block_size + p % j->block_size) * slot_bytes
+                           + (size_t)it->kvh * row_bytes;
+        const char* vrow = krow + (size_t)j->Hkv * row_bytes;
+        for (int64_t d = 0; d < D; d += 16) {
+            _mm512_storeu_ps(kpack + p * D + d, cache16_avx512(krow, j->cache_dtype, d));
+            _mm512_storeu_ps(vpack + p * D + d, cache16_avx512(vrow, j->cache_dtype, d));
+        }
+    }
+}
+
+/* Up to 16 queries of one run and KV head. */
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
+static void lane_attend_chunk(const void* ctx, int64_t index) {
+    static __thread void* scratch = NULL;
+    static __thread int64_t capacity = 0;
+    const lane_job* j = ctx;
+    const lane_item* it = j->items + index;
+    const lane_run* s = j->runs + it->run;
+    const int64_t D = j->D, group = j->H / j->Hkv, nq = it->nq, Lp = (s->L + KVQ_TILE - 1) / KVQ_TILE * KVQ_TILE;
+    float* qt = grown(&scratch, &capacity, (2 * D + KVQ_TILE) * 16 * (int64_t)sizeof(float));
+    if (qt == NULL) { __atomic_store_n(j->failed, 1, __ATOMIC_RELAXED); return; }
+    float *ot = qt + 16 * D, *pt = ot + 16 * D;  /* Q^T and O^T: [D][16 lanes]; scores then P: [tile][16 lanes] */
+    const float* kpack = j->packs + s->pack + it->kvh * lane_pack_floats(s->L, D);
+    const float* vpack = kpack + Lp * D;
+    const size_t xsz = j->dtype == KVQ_BF16 ? 2 : 4;
+    int64_t row[16], head[16];
+    int32_t lens[16];
+    int64_t Lq = 0;
+    for (int64_t i = 0; i < 16; i++) {
+        const int64_t query = it->q0 + (i < nq ? i : 0);
+        row[i] = s->r0 + query / group;
+        head[i] = it->kvh * group + query % group;
+        lens[i] = i < nq ? (int32_t)j->context_lens[row[i]] : 0;
+        Lq = lens[i] > Lq ? lens[i] : Lq;
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {  /* Q^T, scaled */
+        __m512 r[16];
+        for (int64_t i = 0; i < 16; i++)
+            r[i] = _mm512_mul_ps(load16_avx512((const char*)j->q + (size_t)row[i] * j->ldq * xsz, j->dtype,
+                                               head[i] * D + d0), _mm512_set1_ps(j->scale));
+        transpose16_avx512(r);
+        for (int64_t c = 0; c < 16; c++) _mm512_store_ps(qt + (d0 + c) * 16, r[c]);
+    }
+    for (int64_t i = 0; i < 16 * D; i += 16) _mm512_store_ps(ot + i, _mm512_setzero_ps());
+    const __m512i lanes_len = _mm512_loadu_si512(lens);
+    __m512 mx = _mm512_set1_ps(-INFINITY), den = _mm512_setzero_ps();
+    for (int64_t p0 = 0; p0 < Lq; p0 += KVQ_TILE) {
+        const int64_t n = Lq - p0 < KVQ_TILE ? Lq - p0 : KVQ_TILE;
+        __mmask16 live[KVQ_TILE];  /* per key: the lanes whose context holds it */
+        for (int64_t t = 0; t < n; t++) live[t] = _mm512_cmplt_epi32_mask(_mm512_set1_epi32((int32_t)(p0 + t)), lanes_len);
+        for (int64_t t0 = 0; t0 < n; t0 += 8) {  /* scores, 8 keys at a time (past n: key t0's row again) */
+            const float* k[8];
+            for (int64_t u = 0; u < 8; u++) k[u] = kpack + (p0 + (t0 + u < n ? t0 + u : t0)) * D;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            for (int64_t d = 0; d < D; d++) {
+                const __m512 qv = _mm512_load_ps(qt + d * 16);
+                a0 = _mm512_fmadd_ps(_mm512_set1_ps(k[0][d]), qv, a0);
+                a1 = _mm512_fmadd_ps(_mm512_set1_ps(k[1][d]), qv, a1);
+                a2 = _mm512_fmadd_ps(_mm512_set1_ps(k[2][d]), qv, a2);
+                a3 = _mm512_fmadd_ps(_mm512_set1_ps(k[3][d]), qv, a3);
+                a4 = _mm512_fmadd_ps(_mm512_set1_ps(k[4][d]), qv, a4);
+                a5 = _mm512_fmadd_ps(_mm512_set1_ps(k[5][d]), qv, a5);
+                a6 = _mm512_fmadd_ps(_mm512_set1_ps(k[6][d]), qv, a6);
+                a7 = _mm512_fmadd_ps(_mm512_set1_ps(k[7][d]), qv, a7);
+            }
+            const __m512 a[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+            for (int64_t u = 0; u < 8 && t0 + u < n; u++) _mm512_store_ps(pt + (t0 + u) * 16, a[u]);
+        }
+        /* The online softmax, lane by lane: only lanes with a key in this tile
+         * (live[0]: position p0 is the tile's first) change. */
+        __m512 tile_max = mx;
+        for (int64_t t = 0; t < n; t++) tile_max = _mm512_mask_max_ps(tile_max, live[t], tile_max, _mm512_load_ps(pt + t * 16));
+        const __mmask16 any = live[0];
+        const __m512 corr = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), any,
+                                               exp_nonpos_avx512(_mm512_maskz_sub_ps(any, mx, tile_max)));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const __m512 e = _mm512_maskz_mov_ps(live[t], exp_nonpos_avx512(
+                _mm512_maskz_sub_ps(live[t], _mm512_load_ps(pt + t * 16), tile_max)));
+            _mm512_store_ps(pt + t * 16, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        den = _mm512_mask_fmadd_ps(den, any, corr, sum);
+        mx = _mm512_mask_mov_ps(mx, any, tile_max);
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {  /* O^T = O^T corr + V^T P, 16 dims at a time */
+            __m512 o[16];
+            for (int64_t c = 0; c < 16; c++) o[c] = _mm512_mul_ps(_mm512_load_ps(ot + (d0 + c) * 16), corr);
+            for (int64_t t = 0; t < n; t++) {
+                const __m512 p = _mm512_load_ps(pt + t * 16);
+                const float* v = vpack + (p0 + t) * D + d0;
+                for (int64_t c = 0; c < 16; c++) o[c] = _mm512_mask3_fmadd_ps(_mm512_set1_ps(v[c]), p, o[c], live[t]);
+            }
+            for (int64_t c = 0; c < 16; c++) _mm512_store_ps(ot + (d0 + c) * 16, o[c]);
+        }
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {  /* O = O^T / den, back to rows */
+        __m512 r[16];
+        for (int64_t c = 0; c < 16; c++) r[c] = _mm512_div_ps(_mm512_load_ps(ot + (d0 + c) * 16), den);
+        transpose16_avx512(r);
+        for (int64_t i = 0; i < nq; i++) {
+            const int64_t at = row[i] * j->H * D + head[i] * D + d0;
+            if (j->dtype == KVQ_BF16) _mm256_storeu_si256((__m256i*)((uint16_t*)j->out + at), to_bf16x16_avx512(r[i]));
+            else _mm512_storeu_ps((float*)j->out + at, r[i]);
+        }
+    }
+}
+
+/* Whether the lane kernel runs here: AVX-512 (matmul_isa()'s VNNI level) and a head of whole vectors. */
+static int lane_attention_takes(int64_t D) { return matmul_isa() == 3 && D % 16 == 0; }
+
+/* The rows marked in take[] (runs of one sequence's rows, as same_blocks
+ * finds them), across lanes; 0, or -1 where scratch could not be had. */
+static int lane_attention(const void* q, int dtype, int64_t ldq, const void* cache, int cache_dtype,
+                          const int64_t* block_table, int64_t max_blocks, const int64_t* context_lens,
+                          int64_t block_size, int64_t B, const uint8_t* take, int64_t H, int64_t Hkv, int64_t D,
+                          float scale, void* out, int num_threads) {
+    static __thread void *run_buf = NULL, *item_buf = NULL, *pack_buf = NULL;
+    static __thread int64_t run_cap = 0, item_cap = 0, pack_cap = 0;
+    const int64_t group = H / Hkv;
+    lane_run* runs = grown(&run_buf, &run_cap, B * (int64_t)sizeof(lane_run));
+    if (runs == NULL) return -1;
+    int64_t num_runs = 0, pack_floats = 0, num_pack = 0, num_attend = 0;
+    for (int64_t r = 0; r < B;) {
+        if (!take[r]) { r++; continue; }
+        int64_t end = r + 1, L = context_lens[r];
+        while (end < B && take[end] && same_blocks(block_table, max_blocks, end - 1, end)) {
+            L = context_lens[end] > L ? context_lens[end] : L;
+            end++;
+        }
+        runs[num_runs++] = (lane_run){r, end, L, pack_floats};
+        pack_floats += Hkv * lane_pack_floats(L, D);
+        num_pack += Hkv * ((L + KVQ_TILE - 1) / KVQ_TILE);
+        num_attend += Hkv * (((end - r) * group + 15) / 16);
+        r = end;
+    }
+    lane_item* items = grown(&item_buf, &item_cap, (num_pack + num_attend) * (int64_t)sizeof(lane_item));
+    float* packs = grown(&pack_buf, &pack_cap, pack_floats * (int64_t)sizeof(float));
+    if (items == NULL || packs == NULL) return -1;
+    int64_t count = 0;
+    for (int64_t s = 0; s < num_runs; s++)
+        for (int64_t kvh = 0; kvh < Hkv; kvh++)
+            for (int64_t p = 0; p < runs[s].L; p += KVQ_TILE) items[count++] = (lane_item){(int32_t)s, (int32_t)kvh, (int32_t)p, 0};
+    /* Attend items, the last queries (the longest contexts) first: the threads end together. */
+    for (int64_t s = 0; s < num_runs; s++) {
+        const int64_t queries = (runs[s].r1 - runs[s].r0) * group;
+        for (int64_t q0 = (queries - 1) / 16 * 16; q0 >= 0; q0 -= 16)
+            for (int64_t kvh = 0; kvh < Hkv; kvh++)
+                items[count++] = (lane_item){(int32_t)s, (int32_t)kvh, (int32_t)q0,
+                                             (int32_t)(queries - q0 < 16 ? queries - q0 : 16)};
+    }
+    int failed = 0;
+    lane_job j = {q, dtype, ldq, (const char*)cache, cache_dtype, block_table, context_lens, max_blocks, block_size,
+                  H, Hkv, D, scale, out, runs, items, packs, &failed};
+    parallel_chunks(num_threads, num_pack, lane_pack_chunk, &j);
+    j.items = items + num_pack;
+    parallel_chunks(num_threads, num_attend, lane_attend_chunk, &j);
+    return failed ? -1 : 0;
+}
+#endif
+
 /* prompt_from: rows from it on are a prompt's positions (the rows the
  * bfloat16 prompt tiles take; B: none), which attend on AMX-BF16 where the
- * CPU has it (prompt_attention), the others row by row.
+ * CPU has it (prompt_attention), else across lanes where it has AVX-512
+ * (lane_attention). Of the rows before it, a run of one sequence's rows at
+ * least run_min_rows long (a prompt's chunk in a step built in chunk order)
+ * attends across lanes too where the CPU has AVX-512 (run_min_rows 0: none,
+ * so each such row's bits do not depend on the length of its run); the
+ * others row by row.
  * 0 when the shapes fit the kernel's fixed buffers, else -1 (nothing written;
  * also where the prompt rows' scratch could not be had). */
 int kvq_decode_attention(const void* q, int dtype, int64_t ldq, const void* cache, int cache_dtype,
                          const int64_t* block_table, int64_t max_blocks, const int64_t* context_lens,
                          int64_t block_size, int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale, void* out,
-                         int num_threads, int64_t prompt_from) {
+                         int num_threads, int64_t prompt_from, int64_t run_min_rows) {
     if (H / Hkv > KVQ_MAX_GROUP || D > KVQ_MAX_D) return -1;
+    const uint8_t* skip = NULL;  /* rows another kernel took */
 #ifdef KVQ_X86
-    prompt_from = prompt_from < 0 ? 0 : prompt_from;
+    prompt_from = prompt_from < 0 ? 0 : prompt_from > B ? B : prompt_from;
     if (prompt_from < B && prompt_attention_takes(D)) {
         if (prompt_attention(q, dtype, ldq, cache, cache_dtype, block_table, max_blocks, context_lens, block_size,
                              prompt_from, B, H, Hkv, D, scale, out, num_threads)) return -1;
         B = prompt_from;
         if (B == 0) return 0;
     }
+    if (lane_attention_takes(D)) {
+        static __thread void* take_buf = NULL;
+        static __thread int64_t take_cap = 0;
+        uint8_t* take = grown(&take_buf, &take_cap, B);
+        if (take == NULL) return -1;
+        int64_t taken = 0;
+        for (int64_t r = 0; r < B;) {  /* runs on either side of prompt_from, each by itself */
+            const int64_t bound = r < prompt_from ? prompt_from : B;
+            int64_t end = r + 1;
+            while (end < bound && same_blocks(block_table, max_blocks, end - 1, end)) end++;
+            const uint8_t lanes = r >= prompt_from || (run_min_rows > 0 && end - r >= run_min_rows);
+            memset(take + r, lanes, (size_t)(end - r));
+            taken += lanes ? end - r : 0;
+            r = end;
+        }
+        if (taken > 0) {
+            if (lane_attention(q, dtype, ldq, cache, cache_dtype, block_table, max_blocks, context_lens, block_size,
+                               B, take, H, Hkv, D, scale, out, num_threads)) return -1;
+            if (taken == B) return 0;
+            skip = take;
+        }
+    }
 #else
-    (void)prompt_from;
+    (void)prompt_from; (void)run_min_rows;
 #endif
     attention_item* items = NULL;
-    const int64_t num_items = attention_items(block_table, max_blocks, B, H, Hkv, D, num_threads, &items);
+    const int64_t num_items = attention_items(block_table, max_blocks, B, skip, H, Hkv, D, num_threads, &items);
     if (num_items < 0) return -1;
     attention_job j = {q, dtype, ldq, cache, cache_dtype, block_table, context_lens, max_blocks, block_size, H, Hkv,
                        D, scale, out, matmul_isa(), B, items};
     /* Below ~1,000 positions in all, one (sequence, head) takes microseconds: no helpers. */
     int64_t positions = 0;
-    for (int64_t b = 0; b < B; b++) positions += context_lens[b];
+    for (int64_t b = 0; b < B; b++) positions += skip != NULL && skip[b] ? 0 : context_lens[b];
     parallel_chunks(positions * Hkv < 1024 ? 1 : num_threads, num_items, attend_chunk, &j);
     return 0;
 }
@@ -2935,7 +3203,8 @@ int kvq_decode_layers(const kvq_layer* layers, int64_t num_layers, void* residua
                       const int64_t* positions, const void* cos, const void* sin, const int64_t* slots,
                       const int64_t* block_table, int64_t max_blocks, const int64_t* context_lens,
                       int64_t block_size, void* qkv, void* attn, void* gate_up, int num_threads,
-                      const kvq_lora_step* lora, int64_t bf16_from, int64_t tiles_from, int cache_dtype) {
+                      const kvq_lora_step* lora, int64_t bf16_from, int64_t tiles_from, int cache_dtype,
+                      int64_t run_min_rows) {
     if (H / Hkv > KVQ_MAX_GROUP || D > KVQ_MAX_D) return -1;
     const int64_t nqkv = (H + 2 * Hkv) * D;
     float *xs = NULL, *shrunk = NULL;  /* the adapter rows' inputs and f(x) A, reused by every linear */
@@ -2964,7 +3233,7 @@ int kvq_decode_layers(const kvq_layer* layers, int64_t num_layers, void* residua
                           num_threads);
         if ((status = kvq_decode_attention(qkv, dtype, nqkv, ly->kv_cache, cache_dtype, block_table, max_blocks,
                                            context_lens, block_size, T, H, Hkv, D, scale, attn, num_threads,
-                                           bf16_from))) break;
+                                           bf16_from, run_min_rows))) break;
         if ((status = split_matmul(ly->o_type, ly->o, ly->o_bf16, tiles_from, hidden, H * D, attn, dtype, H * D,
                                    KVQ_X_PLAIN, NULL, 0.f, T, residual, dtype, hidden, residual, dtype, hidden,
                                    num_threads))) break;

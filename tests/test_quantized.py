@@ -295,15 +295,17 @@ def test_native_rope_and_kv_write_match_the_torch_path(isa, dtype, cache_dtype, 
     assert not cache[untouched].any()
 
 
-def _attend(q, cache, table, lens, block_size, h, hkv, d, first, count, prompt_from, scale=0.2, threads=2):
+def _attend(q, cache, table, lens, block_size, h, hkv, d, first, count, prompt_from, scale=0.2, threads=2,
+            run_min_rows=0):
     """kvq_decode_attention over rows first .. first + count - 1 (rows from
-    prompt_from on, counted from first, as a step's prompt rows)."""
+    prompt_from on, counted from first, as a step's prompt rows; before them,
+    runs of run_min_rows rows or more across lanes, 0: none)."""
     lib = quantized.require_kernels()
     out = torch.empty(count, h * d, dtype=q.dtype)
     assert lib.kvq_decode_attention(q[first].data_ptr(), quantized.activation_type(q.dtype), q.stride(0),
                                     cache.data_ptr(), quantized.cache_type(cache.dtype), table[first].data_ptr(),
                                     table.shape[1], lens[first].data_ptr(), block_size, count, h, hkv, d, scale,
-                                    out.data_ptr(), threads, prompt_from) == 0
+                                    out.data_ptr(), threads, prompt_from, run_min_rows) == 0
     return out
 
 
@@ -344,6 +346,106 @@ def test_attention_rows_sharing_a_work_item_get_the_bits_they_get_alone(isa, dty
         alone = attend(row, 1)[0]  # two threads, one row: an item per KV head
         assert torch.equal(together[row], alone), f"row {row} (context {int(lens[row])})"
         assert torch.equal(attend(row, 1, threads=1)[0], alone), f"row {row} on one thread"
+
+
+LANE_ISAS = ("avx512_vnni", "amx")  # where the kernel attends runs of rows across vector lanes
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", DTYPE_PAIRS + [(torch.float32, torch.int8)])
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_runs_across_lanes_give_each_query_its_bits_alone_and_the_exact_attention(isa, dtype, cache_dtype, d):
+    """A run of one sequence's rows attends across vector lanes, 16 queries
+    (rows x query heads) to a vector: each query's output is the same bits
+    whichever queries share its vector, its run or its step (every row
+    attended again alone, on one and two threads), and is the exact attention
+    (float64 over the cache's values) to float32 rounding. Runs shorter than
+    run_min_rows stay on the row kernel, and run_min_rows 0 keeps every row
+    there."""
+    if isa not in LANE_ISAS:
+        pytest.skip("the lanes need AVX-512")
+    from types import SimpleNamespace
+
+    from kvserve.runner.step_batch import build_step_batch
+    from kvserve.scheduler.scheduler import ScheduledChunk
+
+    h, hkv, block_size = 6, 2, 4
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(4)).tolist()  # scattered blocks
+    # a 70-token prompt, a 21-token chunk after 30 cached, a 5-token chunk, two decode rows
+    shapes = [(0, 70), (30, 21), (9, 5), (40, 1), (12, 1)]
+    blocks = [order[:18], order[18:32], order[32:36], order[36:47], order[47:51]]
+    request = SimpleNamespace(token_ids_slice=lambda start, end: [1] * (end - start))
+    chunks = [ScheduledChunk(request, start, n, b, True) for (start, n), b in zip(shapes, blocks)]
+    table, lens = build_step_batch(chunks, block_size, torch.device("cpu")).meta.decode_rows()
+    rows = lens.numel()
+    gen = torch.Generator().manual_seed(5)
+    values = torch.randn(64 * block_size, 2, hkv, d, generator=gen)
+    if cache_dtype == torch.int8:  # each row its float32 scale, then D int8 values (the kernels' layout)
+        scale = values.abs().amax(-1, keepdim=True) / 127
+        codes = torch.round(values / scale).to(torch.int8)
+        cache = torch.cat((scale.view(torch.int8).view(*scale.shape[:-1], 4), codes), dim=-1)
+        values = codes.double() * scale.double()
+    else:
+        cache = values.to(cache_dtype)
+        values = cache.double()
+    q = torch.randn(rows, h * d, generator=gen).to(dtype)
+
+    def attend(first: int, count: int, run_min_rows: int, threads: int = 2) -> torch.Tensor:
+        return _attend(q, cache, table, lens, block_size, h, hkv, d, first, count, prompt_from=count,
+                       threads=threads, run_min_rows=run_min_rows)
+
+    lanes, by_rows = attend(0, rows, run_min_rows=16), attend(0, rows, run_min_rows=0)
+    run_rows = 70 + 21  # the two runs of 16 rows or more
+    assert not torch.equal(lanes[:run_rows], by_rows[:run_rows])  # summed in another order: the lanes ran
+    assert torch.equal(lanes[run_rows:], by_rows[run_rows:])  # the 5-row chunk and the decode rows did not
+    for row in range(run_rows):
+        assert torch.equal(attend(row, 1, run_min_rows=1)[0], lanes[row]), f"row {row} alone"
+    assert torch.equal(attend(3, 40, run_min_rows=1, threads=1), lanes[3:43])
+    for row in range(rows):  # the exact attention over the cache's values
+        L = int(lens[row])
+        slots = torch.tensor([int(table[row, p // block_size]) * block_size + p % block_size for p in range(L)])
+        k, v = values[slots, 0].transpose(0, 1), values[slots, 1].transpose(0, 1)  # [Hkv, L, D]
+        qr = q[row].double().view(hkv, h // hkv, d)
+        weights = torch.softmax(qr @ k.transpose(1, 2) * 0.2, dim=-1)
+        expected = (weights @ v).reshape(-1)
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+        torch.testing.assert_close(lanes[row].double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("one_call", [True, False])
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_batch_invariant_keeps_runs_of_rows_off_the_lanes(monkeypatch, one_call, batch_invariant):
+    """Which kernel a row attends with depends on the length of its run (a
+    prompt's chunk: one chunk alone, several beside other requests), so the
+    engine asks the kernels for runs across lanes only without
+    batch_invariant: every attention call of a prefill, in the one-call step
+    and layer by layer, gets run_min_rows LANE_MIN_ROWS, or 0."""
+    from kvserve.contract import SamplingParams
+    from kvserve.model import attention, llama
+    from kvserve.model.attention import LANE_MIN_ROWS
+    from tests.tiny_models import random_prompts, run_to_completion, tiny_engine, tiny_llama
+
+    class Recording:  # the kernels, with the last argument of each attention call noted
+        def __init__(self, lib):
+            self.lib, self.run_min_rows = lib, []
+
+        def __getattr__(self, name):
+            function = getattr(self.lib, name)
+            if name not in ("kvq_decode_attention", "kvq_decode_layers"):
+                return function
+
+            def call(*args):
+                self.run_min_rows.append(args[-1])
+                return function(*args)
+            return call
+
+    recording = Recording(quantized.require_kernels())
+    monkeypatch.setattr(attention, "require_kernels", lambda: recording)
+    monkeypatch.setattr(llama, "require_kernels", lambda: recording)
+    engine = tiny_engine(tiny_llama(seed=3), quantization="q8_0", batch_invariant=batch_invariant)
+    if not one_call:
+        engine.runner.model.native_decode = None
+    run_to_completion(engine, random_prompts([45, 20], seed=8), SamplingParams(max_tokens=3, ignore_eos=True))
+    assert recording.run_min_rows and set(recording.run_min_rows) == {0 if batch_invariant else LANE_MIN_ROWS}
 
 
 # ---- --quantization at load and in the runner ------------------------------------

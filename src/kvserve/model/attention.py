@@ -132,8 +132,29 @@ def native_attention_takes(num_heads: int, num_kv_heads: int, head_dim: int) -> 
     return num_heads // num_kv_heads <= NATIVE_MAX_GROUP and head_dim <= NATIVE_MAX_HEAD_DIM
 
 
+# A run of at least this many rows of one sequence in a step (a prompt's
+# chunk) attends across vector lanes where the CPU has AVX-512 (csrc's
+# lane_attention: 16 queries of one KV head per vector, no horizontal sums),
+# shorter runs (a verification's few tokens) row by row. Measured on the
+# default model's heads, 2 threads (benchmarks/lane_attention.py): after 256
+# or 1,024 cached positions the lanes take 0.94-1.0x the row kernel's time at
+# 8 rows and 0.8x at 16 (they copy the run's whole context to float32 first);
+# a 256-token prompt 0.57x, 2,048 tokens 0.55x.
+LANE_MIN_ROWS = 16
+
+
+def lane_run_min_rows(batch_invariant: bool) -> int:
+    """kvq_decode_attention's run_min_rows. Which kernel a row attends with
+    then depends on how many rows of its sequence share the step, and the two
+    sum in different orders: `batch_invariant` turns the runs off (0), so a
+    request's rows take the same kernel alone or in a crowd (the prompt rows
+    that the runner puts last still take the lanes, by position)."""
+    return 0 if batch_invariant else LANE_MIN_ROWS
+
+
 def native_attention(qkv: Tensor, kv_cache: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata,
-                     num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> Tensor:
+                     num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                     batch_invariant: bool = False) -> Tensor:
     """RoPE, the K/V write and attention with the native CPU kernels.
 
     qkv: [T, (H + 2 * Hkv) * D], q and k rotated in place; cos/sin: the whole
@@ -145,7 +166,8 @@ def native_attention(qkv: Tensor, kv_cache: Tensor, cos: Tensor, sin: Tensor, me
     gathered, padded, masked context for prefill, which cost as much as the
     step's matmuls on a 256-token prompt; SDPA remains for head shapes past
     the kernel's buffers. Rows from meta.bf16_rows_from on (a prompt's
-    positions, with prompt tiles) attend on AMX-BF16 tiles in the kernel."""
+    positions, with prompt tiles) attend on AMX-BF16 tiles in the kernel;
+    runs of one sequence's rows across vector lanes (lane_run_min_rows)."""
     lib = require_kernels()
     dtype, cache_dtype = activation_type(qkv.dtype), cache_type(kv_cache.dtype)
     num_tokens = qkv.shape[0]
@@ -161,7 +183,8 @@ def native_attention(qkv: Tensor, kv_cache: Tensor, cos: Tensor, sin: Tensor, me
                                           block_table.data_ptr(), block_table.shape[1],
                                           context_lens.data_ptr(), meta.block_size, num_tokens,
                                           h, hkv, d, scale, out.data_ptr(), kernel_threads(),
-                                          num_tokens if meta.bf16_rows_from is None else meta.bf16_rows_from)
+                                          num_tokens if meta.bf16_rows_from is None else meta.bf16_rows_from,
+                                          lane_run_min_rows(batch_invariant))
         if status == 0:
             return out  # else: a head shape past the kernel's buffers: SDPA below
     if kv_cache.dtype == torch.int8:  # the runner refuses an int8 cache where the kernels cannot attend

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvserve.model.attention import AttentionMetadata, native_attention, native_attention_takes, paged_attention
+from kvserve.model.attention import (AttentionMetadata, lane_run_min_rows, native_attention, native_attention_takes,
+                                     paged_attention)
 from kvserve.model_facts.config import ModelConfig
 from kvserve.model.device import resolve_device
 from kvserve.model.quantized import (KernelUnavailable, NativeLayer, QuantizedWeight, activation_type, cache_type,
@@ -229,7 +230,7 @@ class DecoderLayer:
         num_tokens = qkv.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.native_ops:
-            return native_attention(qkv, kv_cache, cos, sin, meta, h, hkv, d, self.scale)
+            return native_attention(qkv, kv_cache, cos, sin, meta, h, hkv, d, self.scale, self.batch_invariant)
         # q and k share one rotary application: [T, H + Hkv, D]
         qk = apply_rope(qkv[:, : (h + hkv) * d].view(num_tokens, h + hkv, d), cos, sin)
         q = qk[:, :h]
@@ -287,7 +288,7 @@ class NativeStep:
             num_tokens if meta.bf16_rows_from is None else meta.bf16_rows_from,
             num_tokens if (tiles := tiles_from(num_tokens, meta.bf16_rows_from, first.batch_invariant)) is None
             else tiles,
-            cache_type(kv_caches[0].dtype))
+            cache_type(kv_caches[0].dtype), lane_run_min_rows(first.batch_invariant))
         if status == -2:
             raise KernelUnavailable("this CPU has no AMX-BF16 for the bfloat16 prompt tiles")
         if status != 0:

@@ -45,7 +45,7 @@ _ACT_TYPES = {torch.float32: 0, torch.bfloat16: 1}
 _XOP_PLAIN, _XOP_RMS_NORM, _XOP_SWIGLU = 0, 1, 2  # csrc's KVQ_X_*
 LIBRARY_PATH = Path(__file__).with_name("_kvq.so")
 # csrc's KVQ_ABI_VERSION that this module's calls are written against.
-KVQ_ABI_VERSION = 2
+KVQ_ABI_VERSION = 3
 
 
 # Matrices an explicit Q4 request stores as Q8_0, as llama.cpp's Q4 files do:
@@ -98,7 +98,7 @@ def _library() -> ctypes.CDLL | None:
     lib.kvq_rope_write_kv.argtypes = [ptr, i32, i64, i64, ptr, ptr, ptr, ptr, ptr, i32, i64, i64, i64, i32]
     lib.kvq_rope_write_kv.restype = None
     lib.kvq_decode_attention.argtypes = [ptr, i32, i64, ptr, i32, ptr, i64, ptr, i64, i64, i64, i64, i64, f32,
-                                         ptr, i32, i64]
+                                         ptr, i32, i64, i64]
     lib.kvq_decode_attention.restype = i32
     lib.kvq_dequantize_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32, i32]
     lib.kvq_dequantize_rows.restype = None
@@ -107,7 +107,7 @@ def _library() -> ctypes.CDLL | None:
     lib.kvq_matmul_bf16.restype = i32
     lib.kvq_decode_layers.argtypes = [ptr, i64, ptr, i32, i64, i64, i64, i64, i64, i64, f32, f32,
                                       ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, i32, ptr, i64, i64,
-                                      i32]
+                                      i32, i64]
     lib.kvq_decode_layers.restype = i32
     lib.kvq_lora_apply.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i32, i64, i32, ptr, f32, ptr, i64, i32]
     lib.kvq_lora_apply.restype = i32

@@ -75,8 +75,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/lane_attention.json")
     args = parser.parse_args()
-    if quantized.set_isa("best") not in ("avx512_vnni", "amx"):
-        raise SystemExit("the lanes need AVX-512 (this CPU's best path is not avx512_vnni)")
+    if quantized.set_isa("best") not in ("avx512_vnni", "amx"):  # a skip, not a failure (make bench runs it)
+        print("lane_attention: skipped: the lanes need AVX-512, which this CPU's kernels do not have")
+        return
     torch.set_num_threads(args.threads)
     results = [measure(cached, rows, args.threads, args.rounds) for cached, rows in CASES]
     print("| cached | new rows | row kernel ms | lanes ms | lanes speed-up | max abs diff |")

@@ -26,7 +26,8 @@
  * where the CPU has AVX512-VNNI, VNNI matmul tiles and 512-bit RMS-norm,
  * activation quantization and SwiGLU (all bit-identical to AVX2) and 512-bit
  * attention tiles (the same results up to float summation order, as AVX2 is
- * to portable C); and, the "best" one where it also has AMX-INT8, the VNNI
+ * to portable C), with a run of one sequence's rows across vector lanes (see
+ * "a run of rows attends across vector lanes"); and, the "best" one where it also has AMX-INT8, the VNNI
  * path with its larger products (16 rows or more for Q8_0, 48 for Q4) on the AMX tiles
  * (bit-identical to the VNNI tiles: see "AMX tiles").
  */
@@ -168,7 +169,8 @@ static int amx_enabled(void);
  * the version it was written against: a stale build (a kernel's arguments
  * changed since) is refused, not called with arguments in the wrong places.
  * Raise it with any change to an exported signature or struct, or to what
- * an argument's values mean (2: cache_dtype KVQ_I8). */
+ * an argument's values mean (2: cache_dtype KVQ_I8; 3: run_min_rows of
+ * kvq_decode_attention and kvq_decode_layers). */
 #define KVQ_ABI_VERSION 3
 int kvq_abi_version(void) { return KVQ_ABI_VERSION; }
 

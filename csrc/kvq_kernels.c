@@ -2608,6 +2608,14 @@ typedef struct {
 
 static int64_t lane_pack_floats(int64_t L, int64_t D) { return (L + KVQ_TILE - 1) / KVQ_TILE * KVQ_TILE * 2 * D; }
 
+/* The float32 copies of a step's runs of rows before prompt_from may take
+ * (a thread's scratch, kept): the default model's 3 KV heads of 64 fit
+ * ~43,000 positions, 8 KV heads of 128 ~8,000. A run that would pass it
+ * stays on the row kernel rather than hold hundreds of MB. */
+#ifndef KVQ_LANE_PACK_MAX_BYTES
+#define KVQ_LANE_PACK_MAX_BYTES ((int64_t)64 << 20)
+#endif
+
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
 static void lane_pack_chunk(const void* ctx, int64_t index) {
     const lane_job* j = ctx;
@@ -2809,14 +2817,20 @@ int kvq_decode_attention(const void* q, int dtype, int64_t ldq, const void* cach
         static __thread int64_t take_cap = 0;
         uint8_t* take = grown(&take_buf, &take_cap, B);
         if (take == NULL) return -1;
-        int64_t taken = 0;
+        int64_t taken = 0, pack_bytes = 0;
         for (int64_t r = 0; r < B;) {  /* runs on either side of prompt_from, each by itself */
             const int64_t bound = r < prompt_from ? prompt_from : B;
-            int64_t end = r + 1;
-            while (end < bound && same_blocks(block_table, max_blocks, end - 1, end)) end++;
-            const uint8_t lanes = r >= prompt_from || (run_min_rows > 0 && end - r >= run_min_rows);
+            int64_t end = r + 1, L = context_lens[r];
+            while (end < bound && same_blocks(block_table, max_blocks, end - 1, end)) {
+                L = context_lens[end] > L ? context_lens[end] : L;
+                end++;
+            }
+            const int64_t bytes = Hkv * lane_pack_floats(L, D) * (int64_t)sizeof(float);
+            const uint8_t lanes = r >= prompt_from || (run_min_rows > 0 && end - r >= run_min_rows &&
+                                                       pack_bytes + bytes <= KVQ_LANE_PACK_MAX_BYTES);
             memset(take + r, lanes, (size_t)(end - r));
             taken += lanes ? end - r : 0;
+            pack_bytes += lanes ? bytes : 0;
             r = end;
         }
         if (taken > 0) {

@@ -411,6 +411,30 @@ def test_runs_across_lanes_give_each_query_its_bits_alone_and_the_exact_attentio
         torch.testing.assert_close(lanes[row].double(), expected, atol=tolerance, rtol=tolerance)
 
 
+def test_a_run_whose_float32_copy_passes_64_mib_stays_on_the_row_kernel():
+    """The lanes copy a run's whole context to float32 first (each KV head's
+    K and V), kept as scratch: a run whose copy would pass 64 MiB stays on
+    the row kernel (the same bits as run_min_rows 0); one just under it
+    takes the lanes. 16 KV heads of 256 dims: 32 KiB a position."""
+    if quantized.set_isa("best") not in LANE_ISAS:
+        pytest.skip("the lanes need AVX-512")
+    h = hkv = 16
+    d, block_size, rows = 256, 16, 16
+    gen = torch.Generator().manual_seed(9)
+    for context, lanes_expected in ((2016, True), (2080, False)):  # 63 and 65 MiB of copy
+        num_blocks = context // block_size
+        cache = torch.randn(num_blocks * block_size, 2, hkv, d, generator=gen)
+        table = torch.arange(num_blocks).repeat(rows, 1).contiguous()
+        lens = torch.arange(context - rows + 1, context + 1)
+        q = torch.randn(rows, h * d, generator=gen)
+
+        def attend(run_min_rows: int) -> torch.Tensor:
+            return _attend(q, cache, table, lens, block_size, h, hkv, d, 0, rows, prompt_from=rows,
+                           run_min_rows=run_min_rows)
+
+        assert torch.equal(attend(16), attend(0)) != lanes_expected, f"context {context}"
+
+
 @pytest.mark.parametrize("one_call", [True, False])
 @pytest.mark.parametrize("batch_invariant", [True, False])
 def test_batch_invariant_keeps_runs_of_rows_off_the_lanes(monkeypatch, one_call, batch_invariant):

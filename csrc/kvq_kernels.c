@@ -2549,7 +2549,7 @@ static int prompt_attention(const void* q, int dtype, int64_t ldq, const void* c
  *
  * The row kernel takes one query row at a time: per (row, key) D/16 FMAs and
  * a horizontal sum, and a prompt is many rows over the same keys (~20% of a
- * 256-token prefill on a CPU without AMX, ~2/3 of a 2,048-token one). Here
+ * 256-token prefill on a CPU without AMX, ~3/5 of a 2,048-token one). Here
  * 16 queries of one KV head sit in the 16 lanes of a vector: a run's rows
  * times that head's query heads, row-major (query i: row i / group, head
  * i % group), so the scores of one key for all 16 are D FMAs, each key

@@ -2738,30 +2738,19 @@ static void lane_attend_chunk(const void* ctx, int64_t index) {
 /* Whether the lane kernel runs here: AVX-512 (matmul_isa()'s VNNI level) and a head of whole vectors. */
 static int lane_attention_takes(int64_t D) { return matmul_isa() == 3 && D % 16 == 0; }
 
-/* The rows marked in take[] (runs of one sequence's rows, as same_blocks
- * finds them), across lanes; 0, or -1 where scratch could not be had. */
+/* The runs across lanes (their float32 copies pack_floats in all); 0, or -1
+ * where scratch could not be had. */
 static int lane_attention(const void* q, int dtype, int64_t ldq, const void* cache, int cache_dtype,
                           const int64_t* block_table, int64_t max_blocks, const int64_t* context_lens,
-                          int64_t block_size, int64_t B, const uint8_t* take, int64_t H, int64_t Hkv, int64_t D,
-                          float scale, void* out, int num_threads) {
-    static __thread void *run_buf = NULL, *item_buf = NULL, *pack_buf = NULL;
-    static __thread int64_t run_cap = 0, item_cap = 0, pack_cap = 0;
+                          int64_t block_size, const lane_run* runs, int64_t num_runs, int64_t pack_floats,
+                          int64_t H, int64_t Hkv, int64_t D, float scale, void* out, int num_threads) {
+    static __thread void *item_buf = NULL, *pack_buf = NULL;
+    static __thread int64_t item_cap = 0, pack_cap = 0;
     const int64_t group = H / Hkv;
-    lane_run* runs = grown(&run_buf, &run_cap, B * (int64_t)sizeof(lane_run));
-    if (runs == NULL) return -1;
-    int64_t num_runs = 0, pack_floats = 0, num_pack = 0, num_attend = 0;
-    for (int64_t r = 0; r < B;) {
-        if (!take[r]) { r++; continue; }
-        int64_t end = r + 1, L = context_lens[r];
-        while (end < B && take[end] && same_blocks(block_table, max_blocks, end - 1, end)) {
-            L = context_lens[end] > L ? context_lens[end] : L;
-            end++;
-        }
-        runs[num_runs++] = (lane_run){r, end, L, pack_floats};
-        pack_floats += Hkv * lane_pack_floats(L, D);
-        num_pack += Hkv * ((L + KVQ_TILE - 1) / KVQ_TILE);
-        num_attend += Hkv * (((end - r) * group + 15) / 16);
-        r = end;
+    int64_t num_pack = 0, num_attend = 0;
+    for (int64_t s = 0; s < num_runs; s++) {
+        num_pack += Hkv * ((runs[s].L + KVQ_TILE - 1) / KVQ_TILE);
+        num_attend += Hkv * (((runs[s].r1 - runs[s].r0) * group + 15) / 16);
     }
     lane_item* items = grown(&item_buf, &item_cap, (num_pack + num_attend) * (int64_t)sizeof(lane_item));
     float* packs = grown(&pack_buf, &pack_cap, pack_floats * (int64_t)sizeof(float));
@@ -2813,11 +2802,12 @@ int kvq_decode_attention(const void* q, int dtype, int64_t ldq, const void* cach
         if (B == 0) return 0;
     }
     if (lane_attention_takes(D)) {
-        static __thread void* take_buf = NULL;
-        static __thread int64_t take_cap = 0;
+        static __thread void *take_buf = NULL, *run_buf = NULL;
+        static __thread int64_t take_cap = 0, run_cap = 0;
         uint8_t* take = grown(&take_buf, &take_cap, B);
-        if (take == NULL) return -1;
-        int64_t taken = 0, pack_bytes = 0;
+        lane_run* runs = grown(&run_buf, &run_cap, B * (int64_t)sizeof(lane_run));
+        if (take == NULL || runs == NULL) return -1;
+        int64_t taken = 0, num_runs = 0, pack_floats = 0;
         for (int64_t r = 0; r < B;) {  /* runs on either side of prompt_from, each by itself */
             const int64_t bound = r < prompt_from ? prompt_from : B;
             int64_t end = r + 1, L = context_lens[r];
@@ -2825,17 +2815,21 @@ int kvq_decode_attention(const void* q, int dtype, int64_t ldq, const void* cach
                 L = context_lens[end] > L ? context_lens[end] : L;
                 end++;
             }
-            const int64_t bytes = Hkv * lane_pack_floats(L, D) * (int64_t)sizeof(float);
+            const int64_t floats = Hkv * lane_pack_floats(L, D);
             const uint8_t lanes = r >= prompt_from || (run_min_rows > 0 && end - r >= run_min_rows &&
-                                                       pack_bytes + bytes <= KVQ_LANE_PACK_MAX_BYTES);
+                                                       (pack_floats + floats) * (int64_t)sizeof(float)
+                                                           <= KVQ_LANE_PACK_MAX_BYTES);
             memset(take + r, lanes, (size_t)(end - r));
-            taken += lanes ? end - r : 0;
-            pack_bytes += lanes ? bytes : 0;
+            if (lanes) {
+                runs[num_runs++] = (lane_run){r, end, L, pack_floats};
+                pack_floats += floats;
+                taken += end - r;
+            }
             r = end;
         }
         if (taken > 0) {
             if (lane_attention(q, dtype, ldq, cache, cache_dtype, block_table, max_blocks, context_lens, block_size,
-                               B, take, H, Hkv, D, scale, out, num_threads)) return -1;
+                               runs, num_runs, pack_floats, H, Hkv, D, scale, out, num_threads)) return -1;
             if (taken == B) return 0;
             skip = take;
         }

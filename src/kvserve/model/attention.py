@@ -148,7 +148,8 @@ def lane_run_min_rows(batch_invariant: bool) -> int:
     then depends on how many rows of its sequence share the step, and the two
     sum in different orders: `batch_invariant` turns the runs off (0), so a
     request's rows take the same kernel alone or in a crowd (the prompt rows
-    that the runner puts last still take the lanes, by position)."""
+    that the runner puts last, with the AMX prompt tiles, still take AMX-BF16
+    by position)."""
     return 0 if batch_invariant else LANE_MIN_ROWS
 
 

@@ -785,12 +785,41 @@ static void tile_vnni(int wtype, const uint8_t* wg, int64_t nb, const int8_t* qa
 
 /* Two groups (16 weight rows) per tile in 512-bit registers, where a CPU
  * executes them at the width of two 256-bit ops or better: each lane's integer
- * dot products and float ops are the 256-bit tile's, so the outputs are too. */
+ * dot products and float ops are the 256-bit tile's, so the outputs are too.
+ *
+ * They read the activations interleaved by row tile (quantize_chunk writes
+ * this copy beside the row-major one): for tile t (rows 8t .. 8t + 7) and
+ * block b, the 8 rows' 32 quantized values side by side at
+ * qt + t * 8 * K + b * KVQ_TILE_BLOCK_BYTES + r * 32, and their scales d then
+ * s at st + (t * nb + b) * 16 + r and + 8 + r. Every load of a block is then
+ * one pointer plus a constant: with a pointer per row (row-major), the 8 rows'
+ * addresses spilled the general registers. Measured with both changes below
+ * (this layout, and no stack array for the sums) on the 2026-12-07 EPYC, one
+ * thread, the default model's shapes: Q4_1 1.04-1.19x at 5-512 rows (gate_up
+ * 256 -> 303 GOP/s at 512; ~470 is its dpbusd alone, the float epilogue the
+ * rest), bit-identical. */
+#define KVQ_TILE_BLOCK_BYTES (KVQ_VNNI_ROWS * QK)
+/* A pair tile's sums out of its registers: into out (y NULL), or row r to
+ * y + r * ldy, plus add + r * ldadd where add is set. Inlined into each tile
+ * with its MR a constant, so the sums never pass through a stack array (one
+ * did: zeroed by `rep stos` on every call, ~10% of a tile's time). */
+KVQ_VNNI void store_pair_rows(const __m512* accf, const int MR, float out[][2 * NR], float* y, int64_t ldy,
+                              const float* add, int64_t ldadd) {
+    _Pragma("GCC unroll 8")
+    for (int r = 0; r < MR; r++) {
+        if (y == NULL) _mm512_storeu_ps(out[r], accf[r]);
+        else  /* + 0 without add, as matmul_tile's stores: -0 sums store as +0 on every path */
+            _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(accf[r], add ? _mm512_loadu_ps(add + r * ldadd) : _mm512_setzero_ps()));
+    }
+}
+
 KVQ_VNNI void pair_q4_vnni(const uint8_t* wg0, const uint8_t* wg1, int64_t nb, int64_t bb, int has_m,
-                           const int8_t* qa, const float* da, const float* sa, int64_t K, const int MR,
-                           int prefetch, __m512 accf[KVQ_VNNI_ROWS]) {
+                           const int8_t* qt, const float* st, const int MR, int prefetch, float out[][2 * NR],
+                           float* y, int64_t ldy, const float* add, int64_t ldadd) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     const int nib_off = has_m ? 32 : 16;
+    __m512 accf[KVQ_VNNI_ROWS];
+    _Pragma("GCC unroll 8")
     for (int r = 0; r < MR; r++) accf[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk0 = wg0 + b * bb, *blk1 = wg1 + b * bb;
@@ -799,14 +828,16 @@ KVQ_VNNI void pair_q4_vnni(const uint8_t* wg0, const uint8_t* wg1, int64_t nb, i
             _mm_prefetch((const char*)blk1 + KVQ_PREFETCH + line, _MM_HINT_T0);
         }
         __m512i acc32[KVQ_VNNI_ROWS];
+        _Pragma("GCC unroll 8")
         for (int r = 0; r < MR; r++) acc32[r] = _mm512_setzero_si512();
         for (int c = 0; c < 4; c++) {
             __m512i raw = _mm512_inserti64x4(
                 _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk0 + nib_off + 32 * c))),
                 _mm256_loadu_si256((const __m256i*)(blk1 + nib_off + 32 * c)), 1);
             __m512i wlo = _mm512_and_si512(raw, low), whi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            _Pragma("GCC unroll 8")
             for (int r = 0; r < MR; r++) {
-                const int8_t* a = qa + r * K + b * QK;
+                const int8_t* a = qt + b * KVQ_TILE_BLOCK_BYTES + r * QK;
                 acc32[r] = _mm512_dpbusd_epi32(acc32[r], wlo, _mm512_set1_epi32(*(const int32_t*)(a + 4 * c)));
                 acc32[r] = _mm512_dpbusd_epi32(acc32[r], whi, _mm512_set1_epi32(*(const int32_t*)(a + 16 + 4 * c)));
             }
@@ -817,24 +848,33 @@ KVQ_VNNI void pair_q4_vnni(const uint8_t* wg0, const uint8_t* wg1, int64_t nb, i
                                 _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(blk0 + 16))),
                                 _mm_loadu_si128((const __m128i*)(blk1 + 16)), 1))
                           : _mm512_mul_ps(dw, _mm512_set1_ps(-8.f));
+        const float* scales = st + b * 2 * KVQ_VNNI_ROWS;
+        _Pragma("GCC unroll 8")
         for (int r = 0; r < MR; r++) {
-            const int64_t ab = r * (K / QK) + b;
             __m512 dot = _mm512_cvtepi32_ps(acc32[r]);
-            accf[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(da[ab])), accf[r]);
-            accf[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sa[ab]), accf[r]);
+            accf[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(scales[r])), accf[r]);
+            accf[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(scales[KVQ_VNNI_ROWS + r]), accf[r]);
         }
     }
+    store_pair_rows(accf, MR, out, y, ldy, add, ldadd);
 }
 
-/* group_q8_vnni over two groups in 512-bit registers, lane for lane: AVX-512
- * has no vpsignb, so the activation takes its weight's sign by a masked
- * negation (-a where w < 0; where w == 0 |w| is 0, so the product is too),
- * which wraps at -128 as vpsignb does: the same int32 sums, and the same
- * float epilogue. Before it, Q8_0 (the tied LM head, a Q8_0 model) took the
- * 256-bit tiles at any row count: 221 GOP/s for the default model's LM head
- * at 64 rows on the 2026-12-07 EPYC, against ~360 for its Q4_1 layers. */
-KVQ_VNNI void pair_q8_vnni(const uint8_t* wg0, const uint8_t* wg1, int64_t nb, const int8_t* qa, const float* da,
-                           int64_t K, const int MR, int prefetch, __m512 accf[KVQ_VNNI_ROWS]) {
+/* group_q8_vnni over two groups in 512-bit registers, lane for lane, with
+ * the same int32 sums and the same float epilogue. vpdpbusd multiplies
+ * unsigned by signed bytes; where the 256-bit tiles give it |w| and the
+ * activation with w's sign (vpsignb), these give it the activation offset to
+ * unsigned (a + 128: quantize_chunk stores the pair tiles' copy of a Q8_0
+ * product's activations so, a ^ 0x80) and w as it is, then take 128 x the
+ * block's sum of w back out: exactly sum(a w), the same as vpsignb's way for
+ * the quantized activations' -127..127 (only -128, which no row quantizes
+ * to, wraps there). The sign took a masked negation per row and product
+ * before: the offset measured 1.26-1.61x at 5-512 rows (the LM head at 64
+ * rows 182 -> 286 GOP/s, one thread, the 2026-12-07 EPYC). */
+KVQ_VNNI void pair_q8_vnni(const uint8_t* wg0, const uint8_t* wg1, int64_t nb, const int8_t* qt, const float* st,
+                           const int MR, int prefetch, float out[][2 * NR], float* y, int64_t ldy, const float* add,
+                           int64_t ldadd) {
+    __m512 accf[KVQ_VNNI_ROWS];
+    _Pragma("GCC unroll 8")
     for (int r = 0; r < MR; r++) accf[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk0 = wg0 + b * 272, *blk1 = wg1 + b * 272;
@@ -842,32 +882,39 @@ KVQ_VNNI void pair_q8_vnni(const uint8_t* wg0, const uint8_t* wg1, int64_t nb, c
             _mm_prefetch((const char*)blk0 + KVQ_PREFETCH + line, _MM_HINT_T0);
             _mm_prefetch((const char*)blk1 + KVQ_PREFETCH + line, _MM_HINT_T0);
         }
-        __m512i acc32[KVQ_VNNI_ROWS];
+        __m512i acc32[KVQ_VNNI_ROWS], wsum = _mm512_setzero_si512();
+        _Pragma("GCC unroll 8")
         for (int r = 0; r < MR; r++) acc32[r] = _mm512_setzero_si512();
-        for (int st = 0; st < 8; st++) {
+        for (int i = 0; i < 8; i++) {
             const __m512i w = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk0 + 16 + 32 * st))),
-                _mm256_loadu_si256((const __m256i*)(blk1 + 16 + 32 * st)), 1);
-            const __m512i wabs = _mm512_abs_epi8(w);
-            const __mmask64 negative = _mm512_movepi8_mask(w);
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk0 + 16 + 32 * i))),
+                _mm256_loadu_si256((const __m256i*)(blk1 + 16 + 32 * i)), 1);
+            wsum = _mm512_dpbusd_epi32(wsum, _mm512_set1_epi8(1), w);
+            _Pragma("GCC unroll 8")
             for (int r = 0; r < MR; r++) {
-                const __m512i a = _mm512_set1_epi32(*(const int32_t*)(qa + r * K + b * QK + 4 * st));
-                acc32[r] = _mm512_dpbusd_epi32(acc32[r], wabs, _mm512_mask_sub_epi8(a, negative, _mm512_setzero_si512(), a));
+                const __m512i a = _mm512_set1_epi32(*(const int32_t*)(qt + b * KVQ_TILE_BLOCK_BYTES + r * QK + 4 * i));
+                acc32[r] = _mm512_dpbusd_epi32(acc32[r], a, w);
             }
         }
+        const __m512i offset = _mm512_slli_epi32(wsum, 7);  /* 128 x each weight row's block sum */
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < MR; r++) acc32[r] = _mm512_sub_epi32(acc32[r], offset);
         const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(
             _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)blk0)), _mm_loadu_si128((const __m128i*)blk1), 1));
+        const float* scales = st + b * 2 * KVQ_VNNI_ROWS;
+        _Pragma("GCC unroll 8")
         for (int r = 0; r < MR; r++) {
             const __m512 dot = _mm512_cvtepi32_ps(acc32[r]);
-            accf[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(da[r * (K / QK) + b])), accf[r]);
+            accf[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(scales[r])), accf[r]);
         }
     }
+    store_pair_rows(accf, MR, out, y, ldy, add, ldadd);
 }
 
 #define KVQ_PAIR_CASE(MR_)                                                                                   \
     case MR_:                                                                                                \
-        if (wtype == KVQ_Q8_0) pair_q8_vnni(wg0, wg1, nb, qa, da, K, MR_, prefetch, accf);                   \
-        else pair_q4_vnni(wg0, wg1, nb, bb, wtype == KVQ_Q4_1, qa, da, sa, K, MR_, prefetch, accf);          \
+        if (wtype == KVQ_Q8_0) pair_q8_vnni(wg0, wg1, nb, qt, st, MR_, prefetch, out, y, ldy, add, ldadd);   \
+        else pair_q4_vnni(wg0, wg1, nb, bb, wtype == KVQ_Q4_1, qt, st, MR_, prefetch, out, y, ldy, add, ldadd); \
         break;
 
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
@@ -877,22 +924,15 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
 /* y: where a float32 output's 16 columns go straight from the registers
  * (row r at y + r * ldy, plus add + r * ldadd when add is set, + 0 otherwise,
  * as matmul_tile's stores), or NULL: into out. */
-static void pair_tile_vnni(int wtype, const uint8_t* wg0, const uint8_t* wg1, int64_t nb, const int8_t* qa,
-                           const float* da, const float* sa, int64_t K, int MR, int prefetch, float out[][2 * NR],
+static void pair_tile_vnni(int wtype, const uint8_t* wg0, const uint8_t* wg1, int64_t nb, const int8_t* qt,
+                           const float* st, int MR, int prefetch, float out[][2 * NR],
                            float* y, int64_t ldy, const float* add, int64_t ldadd) {
-    const int64_t bb = kvq_block_bytes(wtype);
-    __m512 accf[KVQ_VNNI_ROWS];
+    const int64_t bb = wtype == KVQ_Q4_1 ? 32 + 128 : 16 + 128;  /* kvq_block_bytes' (Q8_0 passes none) */
     switch (MR) {
         KVQ_PAIR_CASE(8) KVQ_PAIR_CASE(7) KVQ_PAIR_CASE(6) KVQ_PAIR_CASE(5)
         KVQ_PAIR_CASE(4) KVQ_PAIR_CASE(3) KVQ_PAIR_CASE(2)
         default: KVQ_PAIR_CASE(1)
     }
-    if (y == NULL) {
-        for (int r = 0; r < MR; r++) _mm512_storeu_ps(out[r], accf[r]);
-        return;
-    }
-    for (int r = 0; r < MR; r++)
-        _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(accf[r], add ? _mm512_loadu_ps(add + r * ldadd) : _mm512_setzero_ps()));
 }
 
 /* ---- AMX tiles ------------------------------------------------------------ */
@@ -1054,7 +1094,8 @@ static int tile_rows(int isa) { return isa == 3 ? KVQ_VNNI_ROWS : 4; }
 
 /* Rows n0.. of one or two groups (at most 8 per group) for activation rows m0..m0+MR-1. */
 static void matmul_tile(int wtype, const uint8_t* wg, int64_t nb, int64_t bb, int num_groups, int64_t K,
-                        int64_t n0, int64_t N, const int8_t* qa, const float* da, const float* sa, int64_t m0, int MR,
+                        int64_t n0, int64_t N, const int8_t* qa, const float* da, const float* sa,
+                        const int8_t* qt, const float* st, int64_t m0, int MR,
                         void* y, int ytype, int64_t ldy, const void* add, int addtype, int64_t ldadd, int isa) {
     const size_t ysz = ytype == KVQ_BF16 ? 2 : 4, asz = addtype == KVQ_BF16 ? 2 : 4;
     const int64_t count = N - n0 < num_groups * NR ? N - n0 : num_groups * NR;
@@ -1062,14 +1103,16 @@ static void matmul_tile(int wtype, const uint8_t* wg, int64_t nb, int64_t bb, in
 #ifdef KVQ_X86
     /* A whole pair tile of float32 outputs: stored from its registers. */
     const int direct = num_groups == 2 && count == 2 * NR && ytype == KVQ_F32 && (add == NULL || addtype == KVQ_F32);
+    /* The pair tiles' row tile m0 / 8 (m0 is a multiple of 8 on their path). */
+    const int8_t* qtile = num_groups == 2 ? qt + m0 * K : NULL;
+    const float* stile = num_groups == 2 ? st + m0 * nb * 2 : NULL;
     if (direct) {
-        pair_tile_vnni(wtype, wg, wg + nb * bb, nb, qa + m0 * K, da + m0 * nb, sa + m0 * nb, K, MR, m0 == 0, acc,
+        pair_tile_vnni(wtype, wg, wg + nb * bb, nb, qtile, stile, MR, m0 == 0, acc,
                        (float*)y + m0 * ldy + n0, ldy, add ? (const float*)add + m0 * ldadd + n0 : NULL, ldadd);
         return;
     }
     if (num_groups == 2)
-        pair_tile_vnni(wtype, wg, wg + nb * bb, nb, qa + m0 * K, da + m0 * nb, sa + m0 * nb, K, MR, m0 == 0, acc,
-                       NULL, 0, NULL, 0);
+        pair_tile_vnni(wtype, wg, wg + nb * bb, nb, qtile, stile, MR, m0 == 0, acc, NULL, 0, NULL, 0);
     else if (isa == 3) tile_vnni(wtype, wg, nb, qa + m0 * K, da + m0 * nb, sa + m0 * nb, K, MR, acc);
     else if (isa == 2) tile_avx2(wtype, wg, nb, qa + m0 * K, da + m0 * nb, sa + m0 * nb, K, MR, acc);
 #endif
@@ -1098,6 +1141,8 @@ typedef struct {
     int64_t chunk_groups;  /* groups per chunk: KVQ_GROUPS, or KVQ_AMX_GROUPS on the tiles */
     int amx;  /* the AMX tiles take the products: qa has M rounded up to 16 rows, and */
     float *dat, *sat;  /* da and sa per 16-row tile as [nb][16] (zero past M) */
+    int8_t* qt;  /* the VNNI pair tiles' interleaved copy of qa and its scales (pair_q4_vnni's */
+    float* st;   /* comment), or NULL: no pair tiles this call */
 } matmul_job;
 
 #define KVQ_QUANT_ROWS 16  /* activation rows per chunk of the quantization job */
@@ -1115,6 +1160,20 @@ static void quantize_chunk(const void* ctx, int64_t chunk) {
     const int64_t m1 = (chunk + 1) * KVQ_QUANT_ROWS < j->M ? (chunk + 1) * KVQ_QUANT_ROWS : j->M;
     for (int64_t m = chunk * KVQ_QUANT_ROWS; m < m1; m++)
         quantize_row(j->x, j->xtype, j->K, j->ldx, j->xop, j->norm_w, j->eps, m, j->qa, j->da, j->sa, j->isa);
+    if (j->qt != NULL)  /* KVQ_QUANT_ROWS is a whole number of row tiles: this chunk's tiles are its own */
+        for (int64_t m = chunk * KVQ_QUANT_ROWS; m < m1; m++) {
+            const int64_t r = m % KVQ_VNNI_ROWS, tile = m - r;
+            for (int64_t b = 0; b < j->nb; b++) {
+                int8_t* to = j->qt + tile * j->K + b * KVQ_TILE_BLOCK_BYTES + r * QK;
+                const int8_t* from = j->qa + m * j->K + b * QK;
+                if (j->wtype == KVQ_Q8_0)  /* offset to unsigned: pair_q8_vnni's operand */
+                    for (int i = 0; i < QK; i++) to[i] = (int8_t)(from[i] ^ 0x80);
+                else
+                    memcpy(to, from, QK);
+                j->st[(tile * j->nb + b * KVQ_VNNI_ROWS) * 2 + r] = j->da[m * j->nb + b];
+                j->st[(tile * j->nb + b * KVQ_VNNI_ROWS) * 2 + KVQ_VNNI_ROWS + r] = j->sa[m * j->nb + b];
+            }
+        }
     if (!j->amx) return;
     /* The tiles' scales, each block's 16 rows side by side (one chunk is one tile). */
     float *dat = j->dat + chunk * KVQ_AMX_ROWS * j->nb, *sat = j->sat + chunk * KVQ_AMX_ROWS * j->nb;
@@ -1222,17 +1281,14 @@ static void matmul_chunk(const void* ctx, int64_t chunk) {
     if (j->amx && matmul_chunk_amx(j, chunk)) return;
 #endif
     const int64_t g0 = chunk * j->chunk_groups, g1 = g0 + j->chunk_groups < j->groups ? g0 + j->chunk_groups : j->groups;
-    /* Pairs only where the weights are reused from L1 (M >= 4): a decode step's
-     * rows stream them from DRAM, where one group's sequential blocks ran faster
-     * (the default model's batch-1 decode step: 0.75-0.88x with pairs). */
-    const int rows = tile_rows(j->isa), pairs = j->isa == 3 && j->M >= 4;
+    const int rows = tile_rows(j->isa), pairs = j->qt != NULL;
     int num_groups = 1;
     for (int64_t m0 = 0; m0 < j->M; m0 += rows) {
         const int MR = (int)(j->M - m0 < rows ? j->M - m0 : rows);
         for (int64_t g = g0; g < g1; g += num_groups) {
             num_groups = pairs && g + 1 < g1 ? 2 : 1;
             matmul_tile(j->wtype, j->w + g * j->nb * j->bb, j->nb, j->bb, num_groups, j->K, g * NR, j->N, j->qa,
-                        j->da, j->sa, m0, MR, j->y, j->ytype, j->ldy, j->add, j->addtype, j->ldadd, j->isa);
+                        j->da, j->sa, j->qt, j->st, m0, MR, j->y, j->ytype, j->ldy, j->add, j->addtype, j->ldadd, j->isa);
         }
     }
 }
@@ -1259,15 +1315,26 @@ int kvq_matmul(int wtype, const uint8_t* w, int64_t N, int64_t K, const void* x,
     const int amx = M >= (wtype == KVQ_Q8_0 ? KVQ_AMX_MIN_ROWS_Q8 : KVQ_AMX_MIN_ROWS_Q4) && amx_enabled();
     /* The tiles take 16 activation rows at a time: rows past M exist, with zero scales. */
     const int64_t rows = amx ? (M + KVQ_AMX_ROWS - 1) / KVQ_AMX_ROWS * KVQ_AMX_ROWS : M;
-    uint8_t* scratch = scratch_for(rows * K + 8 * M * nb + (amx ? 8 * rows * nb : 0));
+    const int isa = matmul_isa();
+    /* Pair tiles only where the weights are reused from L1 (M >= 4): a decode
+     * step's rows stream them from DRAM, where one group's sequential blocks
+     * ran faster (the default model's batch-1 decode step: 0.75-0.88x with
+     * pairs). The AMX tiles take the products without them. */
+    const int pairs = isa == 3 && M >= 4 && !amx;
+    const int64_t tiled = pairs ? (M + KVQ_VNNI_ROWS - 1) / KVQ_VNNI_ROWS * KVQ_VNNI_ROWS : 0;
+    uint8_t* scratch = scratch_for(rows * K + 8 * M * nb + (amx ? 8 * rows * nb : 0) + tiled * K + 8 * tiled * nb);
     if (scratch == NULL) return -1;
-    matmul_job j = {wtype, xtype, xop, ytype, addtype, matmul_isa(), w, N, K, nb,
+    matmul_job j = {wtype, xtype, xop, ytype, addtype, isa, w, N, K, nb,
                     kvq_block_bytes(wtype), (N + NR - 1) / NR, ldx, M, ldy, ldadd, x, norm_w, add, eps, y,
-                    (int8_t*)scratch, NULL, NULL, amx ? KVQ_AMX_GROUPS : KVQ_GROUPS, amx, NULL, NULL};
+                    (int8_t*)scratch, NULL, NULL, amx ? KVQ_AMX_GROUPS : KVQ_GROUPS, amx, NULL, NULL, NULL, NULL};
     j.da = (float*)(scratch + rows * K);
     j.sa = j.da + M * nb;
     j.dat = j.sa + M * nb;
     j.sat = j.dat + rows * nb;
+    if (pairs) {  /* after the AMX scales (none here): floats stay 4-byte aligned as K % 32 == 0 */
+        j.st = j.da + 2 * M * nb;
+        j.qt = (int8_t*)(j.st + 2 * tiled * nb);
+    }
     parallel_chunks(num_threads, (M + KVQ_QUANT_ROWS - 1) / KVQ_QUANT_ROWS, quantize_chunk, &j);
     /* A small product runs on the caller alone: waking a helper (a futex
      * wake-up, an IPI on a VM) cost ~12 us per job, more than the helper

@@ -17,7 +17,10 @@ requests per run.
 The peers are set up OUTSIDE the repository by the anchors scripts
 (../shared/anchors, see its README): this script only calls them.
 
-    ANCHORS=/work/peers python benchmarks/vs_peers.py [--servers kvserve,llamacpp,vllm]
+    ANCHORS=/work/peers python benchmarks/vs_peers.py [--servers kvserve,llamacpp,vllm] [--rounds N]
+
+With --rounds N the servers take turns N times and the table gives each
+figure's median over the rounds (each round's table is printed too).
 
 Writes one markdown table to stdout and JSON to benchmarks/results/vs_peers.json
 (raw `vllm bench serve` results per point plus the targets of issue 17 with
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -225,29 +229,70 @@ def main() -> int:
                         help="requests per rate point and per sweep run (the anchors' N; c1 and c8 keep 20 and 48)")
     parser.add_argument("--kv-cache-bytes", type=int, default=2**30,
                         help="kvserve's configured KV cache, for the RSS target (bytes; default: serve's 1 GiB)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the server list this many times in turn (kvserve, vllm, kvserve, vllm, ...) and "
+                             "report each figure's median over the rounds: the machine's speed drifts by 10%% and "
+                             "more within minutes, and a ratio read from one pass carries that drift")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_peers.json"))
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     anchors = Path(args.anchors)
     if not (anchors / "scripts" / "run_grid.sh").exists():
         print(f"vs_peers: skipped: no peers set up under {anchors} (see ../shared/anchors/README.md)")
         return 0
     stamp = time.strftime("%Y%m%d-%H%M%S")
     os.environ["N"] = str(args.num_prompts)  # read by the anchors' bench_vllm.sh for the rate points
-    runs = {}
-    for name in args.servers.split(","):
-        print(f"=== {name} ({time.strftime('%H:%M:%S')})", file=sys.stderr, flush=True)
-        runs[name] = run_server(name, anchors, ROOT, args.kvserve_args.split(), args.llamacpp_args.split(),
-                                f"vs-{name}-{stamp}",
-                                args.points.split(","))
+    rounds: list[dict] = []
+    for round_index in range(args.rounds):
+        runs = {}
+        for name in args.servers.split(","):
+            print(f"=== {name}, round {round_index + 1} of {args.rounds} ({time.strftime('%H:%M:%S')})",
+                  file=sys.stderr, flush=True)
+            suffix = "" if args.rounds == 1 else f"-r{round_index + 1}"
+            runs[name] = run_server(name, anchors, ROOT, args.kvserve_args.split(), args.llamacpp_args.split(),
+                                    f"vs-{name}-{stamp}{suffix}", args.points.split(","))
+        rounds.append(runs)
+        if args.rounds > 1:
+            print(f"round {round_index + 1}:\n" + "\n".join(summary_rows(runs)) + "\n", flush=True)
+    runs = rounds[0] if args.rounds == 1 else median_runs(rounds)
     rows = summary_rows(runs)
+    if args.rounds > 1:
+        print(f"median of {args.rounds} rounds:")
     print("\n".join(rows))
-    report = {"date": stamp, "num_prompts_per_rate": args.num_prompts, "points": args.points, "machine": _machine(), "client": "vllm bench serve, random 256 in / 64 out, ignore_eos",
-              "kvserve_args": args.kvserve_args, "llamacpp_args": args.llamacpp_args, "table": rows, "targets": targets(runs, args.kv_cache_bytes),
-              "runs": runs}
+    report = {"date": stamp, "num_prompts_per_rate": args.num_prompts, "points": args.points, "machine": _machine(),
+              "client": "vllm bench serve, random 256 in / 64 out, ignore_eos", "rounds": args.rounds,
+              "kvserve_args": args.kvserve_args, "llamacpp_args": args.llamacpp_args, "table": rows,
+              "targets": targets(runs, args.kv_cache_bytes), "runs": runs}
+    if args.rounds > 1:
+        report["rounds_runs"] = rounds
+        report["rounds_targets"] = [targets(r, args.kv_cache_bytes) for r in rounds]
     Path(args.out).write_text(json.dumps(report, indent=1))
     for target in report["targets"]:
         print(json.dumps(target))
     return 0
+
+
+def median_runs(rounds: list[dict]) -> dict:
+    """Each server's figures as the median over the rounds (every number of
+    every point's result; the peak RSS as the highest), for the table and the
+    targets; the rounds' own results stay in the report beside it."""
+    merged = {}
+    for name in rounds[0]:
+        runs = [r[name] for r in rounds if name in r]
+        points = {}
+        for point in {p for run in runs for p in run["points"]}:
+            results = [run["points"][point] for run in runs if point in run["points"]]
+            points[point] = {key: statistics.median(float(res[key]) for res in results if _is_number(res.get(key)))
+                             for key in results[0] if any(_is_number(res.get(key)) for res in results)}
+        merged[name] = {"server": name, "tag": "median of " + ", ".join(run["tag"] for run in runs),
+                        "start_to_ready_s": statistics.median(run["start_to_ready_s"] for run in runs),
+                        "peak_rss_bytes": max(run["peak_rss_bytes"] for run in runs), "points": points}
+    return merged
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _machine() -> str:

@@ -11,6 +11,13 @@ of the engine when everything is in flight.
         [--threads 2] [--engine '{"max_num_seqs": 128}']
 
 Writes benchmarks/results/engine_saturation.json (--out).
+
+With --old TREE (a baseline source tree with its _kvq.so built, e.g. `git
+archive REV`), the same workload runs alternately on that tree's sources
+and on --new's (this checkout by default), each run a fresh process, for
+--rounds rounds; the table gives every run's time and the old/new ratios
+(the machine's speed drifts between runs, so read the median ratio).
+Writes benchmarks/results/engine_saturation_ab.json (--out).
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,8 +47,15 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engine", default="{}", help="EngineConfig fields (JSON), e.g. the batching")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_saturation.json"))
+    parser.add_argument("--old", help="a baseline tree: run alternately on its sources and --new's")
+    parser.add_argument("--new", default=str(ROOT), help="the tree compared with --old (default: this checkout)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs per tree with --old")
+    parser.add_argument("--out", help="default: benchmarks/results/engine_saturation.json "
+                                      "(engine_saturation_ab.json with --old)")
     args = parser.parse_args()
+    if args.old:
+        return compare_trees(args)
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / "engine_saturation.json")
     from kvserve.contract import SamplingParams
 
     core = default_model_core(args.threads, **json.loads(args.engine))
@@ -106,6 +122,39 @@ def main() -> int:
         print(f"|   {rows} rows | {entry['count']} | | median step {entry['median_ms']:.1f} ms |")
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
+    return 0
+
+
+def compare_trees(args: argparse.Namespace) -> int:
+    """This workload on two trees' sources, alternating fresh processes."""
+    trees = {"old": Path(args.old).resolve(), "new": Path(args.new).resolve()}
+    workload = ["--requests", str(args.requests), "--prompt", str(args.prompt), "--output", str(args.output),
+                "--threads", str(args.threads), "--engine", args.engine, "--seed", str(args.seed)]
+    runs: dict[str, list[dict]] = {"old": [], "new": []}
+    with tempfile.TemporaryDirectory() as scratch:
+        for round_index in range(args.rounds):
+            for name, tree in trees.items():
+                out = Path(scratch) / f"{name}-{round_index}.json"
+                subprocess.run([sys.executable, __file__, *workload, "--out", str(out)], check=True,
+                               env=dict(os.environ, PYTHONPATH=str(tree / "src")), cwd=str(tree),
+                               stdout=subprocess.DEVNULL)
+                runs[name].append(json.loads(out.read_text()))
+                print(f"round {round_index + 1}, {name}: {runs[name][-1]['total_s']:.2f} s", file=sys.stderr,
+                      flush=True)
+    ratios = [o["total_s"] / n["total_s"] for o, n in zip(runs["old"], runs["new"])]
+    print(f"{args.requests} requests x ({args.prompt} in, {args.output} out) at once, {args.threads} threads\n")
+    print("| round | old s | new s | old/new |\n|---|---:|---:|---:|")
+    for i, (o, n) in enumerate(zip(runs["old"], runs["new"])):
+        print(f"| {i + 1} | {o['total_s']:.2f} | {n['total_s']:.2f} | {ratios[i]:.2f}x |")
+    print(f"| median | {statistics.median(r['total_s'] for r in runs['old']):.2f} | "
+          f"{statistics.median(r['total_s'] for r in runs['new']):.2f} | {statistics.median(ratios):.2f}x |")
+    out = args.out or str(ROOT / "benchmarks" / "results" / "engine_saturation_ab.json")
+    Path(out).write_text(json.dumps({
+        "date": time.strftime("%Y-%m-%d %H:%M"), "old": str(trees["old"]), "new": str(trees["new"]),
+        "workload": workload, "load_average": os.getloadavg(), "ratios_old_over_new": ratios,
+        "runs": {name: [{k: r[k] for k in ("total_s", "output_tok_per_s", "prompt_steps", "decode_only_steps",
+                                           "load_before")} for r in rs] for name, rs in runs.items()}}, indent=1))
+    print(f"wrote {out}")
     return 0
 
 

@@ -12,6 +12,11 @@ of the engine when everything is in flight.
 
 Writes benchmarks/results/engine_saturation.json (--out).
 
+With --parts, each kernel is timed from Python (prefill_parts.PartTimer) on
+the layer-by-layer decode path (the one-call step runs the same kernels in
+the same order), and the table adds where the seconds went, by part, for
+the steps with prompt rows and the decode-only steps.
+
 With --old TREE (a baseline source tree with its _kvq.so built, e.g. `git
 archive REV`), the same workload runs alternately on that tree's sources
 and on --new's (this checkout by default), each run a fresh process, for
@@ -47,6 +52,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engine", default="{}", help="EngineConfig fields (JSON), e.g. the batching")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parts", action="store_true", help="also time each kernel (layer-by-layer decode)")
     parser.add_argument("--old", help="a baseline tree: run alternately on its sources and --new's")
     parser.add_argument("--new", default=str(ROOT), help="the tree compared with --old (default: this checkout)")
     parser.add_argument("--rounds", type=int, default=3, help="runs per tree with --old")
@@ -70,6 +76,7 @@ def main() -> int:
         core.add_request(request)
     while core.has_unfinished():
         core.step()
+    timer = part_timer(core) if args.parts else None
     params = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)
     requests = [core.new_request(prompt(), params) for _ in range(args.requests)]
     load_before = os.getloadavg()
@@ -77,8 +84,11 @@ def main() -> int:
     for request in requests:
         core.add_request(request)
     steps = []  # (seconds, prompt tokens, decode rows)
+    parts: dict[str, dict[str, float]] = {"with prompt rows": {}, "decode only": {}}
     while core.has_unfinished():
         before = [(r.num_computed_tokens, r.num_output_tokens) for r in requests]
+        if timer is not None:
+            timer.step.clear()
         t0 = time.perf_counter()
         core.step()
         seconds = time.perf_counter() - t0
@@ -89,6 +99,10 @@ def main() -> int:
             elif r.num_computed_tokens > computed:
                 prompt_tokens += r.num_computed_tokens - computed
         steps.append((seconds, prompt_tokens, decode_rows))
+        if timer is not None:
+            kind = parts["with prompt rows" if prompt_tokens else "decode only"]
+            for part, part_s in timer.step.items():
+                kind[part] = kind.get(part, 0.0) + part_s
     total_s = time.perf_counter() - start
     output_tokens = sum(r.num_output_tokens for r in requests)
     with_prompt = [s for s in steps if s[1]]
@@ -109,6 +123,8 @@ def main() -> int:
                                           for k, v in sorted(by_size.items())}},
         "per_step": steps,
     }
+    if timer is not None:
+        result["parts_s"] = parts
     p, d = result["prompt_steps"], result["decode_only_steps"]
     print(f"{args.requests} requests x ({args.prompt} in, {args.output} out) at once, {args.threads} threads: "
           f"{total_s:.2f} s, {output_tokens / total_s:.1f} output tok/s, {len(steps)} steps")
@@ -120,9 +136,41 @@ def main() -> int:
           f"({1000 * d['seconds'] / max(1, d['rows']):.2f} ms each) |")
     for rows, entry in d["by_rows"].items():
         print(f"|   {rows} rows | {entry['count']} | | median step {entry['median_ms']:.1f} ms |")
+    for kind, by_part in parts.items():
+        if by_part:
+            print(f"\n{kind}, by part (s): " + ", ".join(f"{part} {part_s:.2f}" for part, part_s in
+                                                     sorted(by_part.items(), key=lambda item: -item[1])))
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
     return 0
+
+
+def part_timer(core):
+    """A PartTimer over the default model's kernels, the decode steps on the
+    layer-by-layer path so that each kernel is a call of its own."""
+    from prefill_parts import PartTimer, matmul_part
+
+    from kvserve.model import quantized
+    from kvserve.runner import model_runner
+
+    model = core.runner.model
+    config = model.config
+    hidden, inter = config.hidden_size, config.intermediate_size
+    nqkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+    shapes = {(nqkv, hidden): "qkv", (hidden, config.num_attention_heads * config.head_dim): "o",
+              (2 * inter, hidden): "gate_up", (hidden, inter): "down", (config.vocab_size, hidden): "LM head"}
+    model.native_decode = None
+    timer = PartTimer()
+    lib = quantized.require_kernels()
+    timer.wrap(lib, "kvq_matmul", matmul_part(shapes))
+    timer.wrap(lib, "kvq_matmul_bf16", matmul_part(shapes, prompt_tiles=True))
+    timer.wrap(lib, "kvq_prompt_mlp", lambda a: ("prompt MLP (tiles)", 0.0))
+    timer.wrap(lib, "kvq_decode_attention", lambda a: ("attention", 0.0))
+    timer.wrap(lib, "kvq_rope_write_kv", lambda a: ("rope + K/V write", 0.0))
+    timer.wrap(lib, "kvq_dequantize_rows", lambda a: ("embedding rows", 0.0))
+    timer.wrap(model_runner, "build_step_batch", lambda a: ("step batch (Python)", 0.0))
+    timer.wrap(core.runner.sampler, "sample", lambda a: ("sampling", 0.0))
+    return timer
 
 
 def compare_trees(args: argparse.Namespace) -> int:

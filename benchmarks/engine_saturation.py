@@ -148,28 +148,11 @@ def main() -> int:
 def part_timer(core):
     """A PartTimer over the default model's kernels, the decode steps on the
     layer-by-layer path so that each kernel is a call of its own."""
-    from prefill_parts import PartTimer, matmul_part
+    from prefill_parts import PartTimer, linear_shapes, wrap_step_parts
 
-    from kvserve.model import quantized
-    from kvserve.runner import model_runner
-
-    model = core.runner.model
-    config = model.config
-    hidden, inter = config.hidden_size, config.intermediate_size
-    nqkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
-    shapes = {(nqkv, hidden): "qkv", (hidden, config.num_attention_heads * config.head_dim): "o",
-              (2 * inter, hidden): "gate_up", (hidden, inter): "down", (config.vocab_size, hidden): "LM head"}
-    model.native_decode = None
+    core.runner.model.native_decode = None
     timer = PartTimer()
-    lib = quantized.require_kernels()
-    timer.wrap(lib, "kvq_matmul", matmul_part(shapes))
-    timer.wrap(lib, "kvq_matmul_bf16", matmul_part(shapes, prompt_tiles=True))
-    timer.wrap(lib, "kvq_prompt_mlp", lambda a: ("prompt MLP (tiles)", 0.0))
-    timer.wrap(lib, "kvq_decode_attention", lambda a: ("attention", 0.0))
-    timer.wrap(lib, "kvq_rope_write_kv", lambda a: ("rope + K/V write", 0.0))
-    timer.wrap(lib, "kvq_dequantize_rows", lambda a: ("embedding rows", 0.0))
-    timer.wrap(model_runner, "build_step_batch", lambda a: ("step batch (Python)", 0.0))
-    timer.wrap(core.runner.sampler, "sample", lambda a: ("sampling", 0.0))
+    wrap_step_parts(timer, core, linear_shapes(core.runner.model.config))
     return timer
 
 

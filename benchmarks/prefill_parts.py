@@ -65,6 +65,31 @@ class PartTimer:
         setattr(owner, name, timed)
 
 
+def linear_shapes(config, lm_head: str = "LM head") -> dict[tuple[int, int], str]:
+    """(N, K) of the default model's linears -> the part each is timed as."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    nqkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+    return {(nqkv, hidden): "matmul qkv (+rms_norm)",
+            (hidden, config.num_attention_heads * config.head_dim): "matmul o (+residual)",
+            (2 * inter, hidden): "matmul gate_up (+rms_norm)", (hidden, inter): "matmul down (+swiglu, residual)",
+            (config.vocab_size, hidden): lm_head}
+
+
+def wrap_step_parts(timer: PartTimer, core, shapes: dict[tuple[int, int], str]) -> None:
+    """Time each kernel a step of `core` calls, and its Python around them,
+    as parts of the timer's step."""
+    lib = quantized.require_kernels()
+    timer.wrap(lib, "kvq_matmul", matmul_part(shapes))
+    timer.wrap(lib, "kvq_matmul_bf16", matmul_part(shapes, prompt_tiles=True))
+    timer.wrap(lib, "kvq_prompt_mlp", lambda a: ("prompt MLP (tiles)", 0.0))
+    timer.wrap(lib, "kvq_decode_attention", lambda a: ("attention", 0.0))
+    timer.wrap(lib, "kvq_rope_write_kv", lambda a: ("rope + K/V write", 0.0))
+    timer.wrap(lib, "kvq_dequantize_rows", lambda a: ("embedding rows", 0.0))
+    timer.wrap(lib, "kvq_decode_layers", lambda a: ("layers (one native call)", 0.0))
+    timer.wrap(model_runner, "build_step_batch", lambda a: ("step batch (Python)", 0.0))
+    timer.wrap(core.runner.sampler, "sample", lambda a: ("sampling", 0.0))
+
+
 def matmul_part(shapes: dict[tuple[int, int], str], prompt_tiles: bool = False):
     """kvq_matmul's arguments (N, K, xop, M at 2, 3, 7, 10) or, prompt_tiles,
     kvq_matmul_bf16's (one fewer before each: no weight type)."""
@@ -90,22 +115,10 @@ def main() -> int:
     model = core.runner.model
     config = model.config
     hidden, inter = config.hidden_size, config.intermediate_size
-    nqkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
-    shapes = {(nqkv, hidden): "matmul qkv (+rms_norm)", (hidden, config.num_attention_heads * config.head_dim):
-              "matmul o (+residual)", (2 * inter, hidden): "matmul gate_up (+rms_norm)",
-              (hidden, inter): "matmul down (+swiglu, residual)", (config.vocab_size, hidden): "LM head (1 row)"}
     one_call = model.native_decode
     timer = PartTimer(args.cpu_time)
     clock = timer.clock
-    lib = quantized.require_kernels()
-    timer.wrap(lib, "kvq_matmul", matmul_part(shapes))
-    timer.wrap(lib, "kvq_matmul_bf16", matmul_part(shapes, prompt_tiles=True))
-    timer.wrap(lib, "kvq_decode_attention", lambda a: ("attention", 0.0))
-    timer.wrap(lib, "kvq_rope_write_kv", lambda a: ("rope + K/V write", 0.0))
-    timer.wrap(lib, "kvq_dequantize_rows", lambda a: ("embedding rows", 0.0))
-    timer.wrap(lib, "kvq_decode_layers", lambda a: ("layers (one native call)", 0.0))
-    timer.wrap(model_runner, "build_step_batch", lambda a: ("step batch (Python)", 0.0))
-    timer.wrap(core.runner.sampler, "sample", lambda a: ("sampling", 0.0))
+    wrap_step_parts(timer, core, linear_shapes(config, "LM head (1 row)"))
     timer.wrap(model, "compute_logits", lambda a: ("final norm + LM head", 0.0))
     rows_weights = {xop: quantized.QuantizedWeight.from_float("q4_1", torch.randn(8, k))
                     for xop, k in ((1, hidden), (2, inter))}

@@ -80,13 +80,17 @@ def test_vnni_path_is_bit_identical_to_avx2(qtype):
     compute the AVX2 tiles' integer dot products and float ops in the same order,
     and the AVX-512 activation quantization and SwiGLU the AVX2 ones' per lane,
     so every output is the same float: checked over row counts that leave every
-    remainder of a tile and group counts with a lone last group, float32 and
-    bfloat16 inputs."""
+    remainder of a tile (and span up to three chunks of the quantizer, which
+    writes the pair tiles' interleaved copy of the activations chunk by
+    chunk) and group counts with a lone last group, float32 and bfloat16
+    inputs. For Q8_0 the pair tiles take each activation offset to unsigned
+    and the weights as they are; the 256-bit tiles |w| and the activation
+    with w's sign: the same integer sums."""
     if quantized.set_isa("avx512_vnni") != "avx512_vnni" or quantized.set_isa("avx2") != "avx2":
         quantized.set_isa("best")
         pytest.skip("this CPU has no AVX512-VNNI path")
     _assert_paths_agree_bit_for_bit(qtype, "avx2", "avx512_vnni", [(40, 64), (72, 576), (13, 96)],
-                                    [1, 3, 4, 7, 8, 9, 16, 19])
+                                    [1, 3, 4, 7, 8, 9, 16, 19, 37])
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

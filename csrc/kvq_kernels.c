@@ -924,10 +924,9 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
 /* y: where a float32 output's 16 columns go straight from the registers
  * (row r at y + r * ldy, plus add + r * ldadd when add is set, + 0 otherwise,
  * as matmul_tile's stores), or NULL: into out. */
-static void pair_tile_vnni(int wtype, const uint8_t* wg0, const uint8_t* wg1, int64_t nb, const int8_t* qt,
-                           const float* st, int MR, int prefetch, float out[][2 * NR],
+static void pair_tile_vnni(int wtype, const uint8_t* wg0, const uint8_t* wg1, int64_t nb, int64_t bb,
+                           const int8_t* qt, const float* st, int MR, int prefetch, float out[][2 * NR],
                            float* y, int64_t ldy, const float* add, int64_t ldadd) {
-    const int64_t bb = wtype == KVQ_Q4_1 ? 32 + 128 : 16 + 128;  /* kvq_block_bytes' (Q8_0 passes none) */
     switch (MR) {
         KVQ_PAIR_CASE(8) KVQ_PAIR_CASE(7) KVQ_PAIR_CASE(6) KVQ_PAIR_CASE(5)
         KVQ_PAIR_CASE(4) KVQ_PAIR_CASE(3) KVQ_PAIR_CASE(2)
@@ -1107,12 +1106,12 @@ static void matmul_tile(int wtype, const uint8_t* wg, int64_t nb, int64_t bb, in
     const int8_t* qtile = num_groups == 2 ? qt + m0 * K : NULL;
     const float* stile = num_groups == 2 ? st + m0 * nb * 2 : NULL;
     if (direct) {
-        pair_tile_vnni(wtype, wg, wg + nb * bb, nb, qtile, stile, MR, m0 == 0, acc,
+        pair_tile_vnni(wtype, wg, wg + nb * bb, nb, bb, qtile, stile, MR, m0 == 0, acc,
                        (float*)y + m0 * ldy + n0, ldy, add ? (const float*)add + m0 * ldadd + n0 : NULL, ldadd);
         return;
     }
     if (num_groups == 2)
-        pair_tile_vnni(wtype, wg, wg + nb * bb, nb, qtile, stile, MR, m0 == 0, acc, NULL, 0, NULL, 0);
+        pair_tile_vnni(wtype, wg, wg + nb * bb, nb, bb, qtile, stile, MR, m0 == 0, acc, NULL, 0, NULL, 0);
     else if (isa == 3) tile_vnni(wtype, wg, nb, qa + m0 * K, da + m0 * nb, sa + m0 * nb, K, MR, acc);
     else if (isa == 2) tile_avx2(wtype, wg, nb, qa + m0 * K, da + m0 * nb, sa + m0 * nb, K, MR, acc);
 #endif
@@ -2072,8 +2071,24 @@ static void swiglu_avx512(const void* row, int xtype, int64_t K, float* out) {
 }
 
 /* Scores of query qg against keys krow[0..15] (D % 64 == 0): a key's four
- * 16-column products at a time, so one row pointer is live, not sixteen. */
+ * 16-column products at a time, so one row pointer is live, not sixteen.
+ *
+ * A bfloat16 cache's keys are widened without shuffles: a 64-byte load holds
+ * 32 of a key's elements, the even ones as the low halves of its 32-bit
+ * lanes and the odd ones as the high halves, so a shift and a mask give both
+ * as floats; qg is then the query deinterleaved to match (per 32 elements:
+ * the 16 even, then the 16 odd; deinterleave_bf16_query), so each lane sums
+ * its own pairs' products and the lanes are folded as for the other caches.
+ * Widening with vpmovzxwd took 4 shuffles a key and query: 64 decode rows
+ * over 290 positions, 30 layers, one thread on the 2026-12-07 EPYC, 1.06x
+ * with the layers' caches cold and 1.15x warm without them. The sums run in
+ * another order than the other caches' (within float32 rounding of them);
+ * each row's still depend only on its own query, context and cache. The
+ * value rows keep vpmovzxwd: widened once for all the heads of a KV head,
+ * the same trick there (with the accumulators deinterleaved) measured
+ * 0.99-1.03x. */
 KVQ_AVX512 __m512 dots16_avx512(const float* qg, const char* const* krow, int dtype, int64_t D) {
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
     __m512 acc[16];
     _Pragma("GCC unroll 16")
     for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
@@ -2083,51 +2098,28 @@ KVQ_AVX512 __m512 dots16_avx512(const float* qg, const char* const* krow, int dt
         _Pragma("GCC unroll 16")
         for (int t = 0; t < 16; t++) {
             const char* k = krow[t];
-            acc[t] = _mm512_fmadd_ps(q0, cache16_avx512(k, dtype, i), acc[t]);
-            acc[t] = _mm512_fmadd_ps(q1, cache16_avx512(k, dtype, i + 16), acc[t]);
-            acc[t] = _mm512_fmadd_ps(q2, cache16_avx512(k, dtype, i + 32), acc[t]);
-            acc[t] = _mm512_fmadd_ps(q3, cache16_avx512(k, dtype, i + 48), acc[t]);
+            __m512 k0, k1, k2, k3;
+            if (dtype == KVQ_BF16) {  /* even, odd of elements i .. i + 31, then of i + 32 .. i + 63 */
+                const __m512i lo = _mm512_loadu_si512((const uint16_t*)k + i);
+                const __m512i hi = _mm512_loadu_si512((const uint16_t*)k + i + 32);
+                k0 = _mm512_castsi512_ps(_mm512_slli_epi32(lo, 16));
+                k1 = _mm512_castsi512_ps(_mm512_and_si512(lo, high));
+                k2 = _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16));
+                k3 = _mm512_castsi512_ps(_mm512_and_si512(hi, high));
+            } else {
+                k0 = cache16_avx512(k, dtype, i), k1 = cache16_avx512(k, dtype, i + 16);
+                k2 = cache16_avx512(k, dtype, i + 32), k3 = cache16_avx512(k, dtype, i + 48);
+            }
+            acc[t] = _mm512_fmadd_ps(q0, k0, acc[t]);
+            acc[t] = _mm512_fmadd_ps(q1, k1, acc[t]);
+            acc[t] = _mm512_fmadd_ps(q2, k2, acc[t]);
+            acc[t] = _mm512_fmadd_ps(q3, k3, acc[t]);
         }
     }
     return hsum16x16_avx512(acc);
 }
 
-/* dots16_avx512 for a bfloat16 cache without widening shuffles: a 64-byte
- * load holds 32 of a key's elements, the even ones as the low halves of its
- * 32-bit lanes and the odd ones as the high halves, so a shift and a mask
- * give both as floats. qd holds the query deinterleaved to match (per 32
- * elements: the 16 even, then the 16 odd; deinterleave_bf16_query), so each
- * lane sums its own pairs' products and the lanes are folded as before.
- * Widening with vpmovzxwd took 4 shuffles a key and query: 64 decode rows
- * over 290 positions, 30 layers, one thread on the 2026-12-07 EPYC, 1.06x
- * with the layers' caches cold and 1.15x warm without them. The sums run in
- * another order than the other caches' (within float32 rounding of them);
- * each row's still depend only on its own query, context and cache. The
- * value rows keep vpmovzxwd: widened once for all the heads of a KV head,
- * the same trick there (with the accumulators deinterleaved) measured
- * 0.99-1.03x. */
-KVQ_AVX512 __m512 dots16_bf16_avx512(const float* qd, const char* const* krow, int64_t D) {
-    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
-    __m512 acc[16];
-    _Pragma("GCC unroll 16")
-    for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < D; i += 64) {
-        const __m512 e0 = _mm512_loadu_ps(qd + i), o0 = _mm512_loadu_ps(qd + i + 16);
-        const __m512 e1 = _mm512_loadu_ps(qd + i + 32), o1 = _mm512_loadu_ps(qd + i + 48);
-        _Pragma("GCC unroll 16")
-        for (int t = 0; t < 16; t++) {
-            const __m512i k0 = _mm512_loadu_si512((const uint16_t*)krow[t] + i);
-            const __m512i k1 = _mm512_loadu_si512((const uint16_t*)krow[t] + i + 32);
-            acc[t] = _mm512_fmadd_ps(e0, _mm512_castsi512_ps(_mm512_slli_epi32(k0, 16)), acc[t]);
-            acc[t] = _mm512_fmadd_ps(o0, _mm512_castsi512_ps(_mm512_and_si512(k0, high)), acc[t]);
-            acc[t] = _mm512_fmadd_ps(e1, _mm512_castsi512_ps(_mm512_slli_epi32(k1, 16)), acc[t]);
-            acc[t] = _mm512_fmadd_ps(o1, _mm512_castsi512_ps(_mm512_and_si512(k1, high)), acc[t]);
-        }
-    }
-    return hsum16x16_avx512(acc);
-}
-
-/* q (D floats, D % 32 == 0) -> qd, as dots16_bf16_avx512 reads it. */
+/* q (D floats, D % 32 == 0) -> qd, as dots16_avx512 reads a bfloat16 cache's query. */
 KVQ_AVX512 void deinterleave_bf16_query(const float* q, int64_t D, float* qd) {
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
@@ -2180,9 +2172,8 @@ KVQ_AVX512 void attend_tile_avx512_of(const float* qs, int64_t group, int64_t D,
         for (int64_t b = 0; b < halves; b++) {
             const int64_t keys = n - 16 * b < 16 ? n - 16 * b : 16;
             live[b] = (__mmask16)((1u << keys) - 1);
-            const __m512 dots = dtype == KVQ_BF16 ? dots16_bf16_avx512(qd, krow + 16 * b, D)
-                                                  : dots16_avx512(qs + g * D, krow + 16 * b, dtype, D);
-            s[b] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live[b], dots);
+            s[b] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live[b],
+                                      dots16_avx512(dtype == KVQ_BF16 ? qd : qs + g * D, krow + 16 * b, dtype, D));
         }
         const float tile_max = fmaxf(st->mx[g], _mm512_reduce_max_ps(_mm512_max_ps(s[0], s[1])));
         const __m512 shift = _mm512_set1_ps(tile_max);

@@ -571,6 +571,32 @@ def test_a_queue_of_long_prompts_is_a_wait_even_with_slots_and_blocks_free():
     assert ctl.expected_wait_s(req(prompt=256))[0] < wait_s + 0.5 - 0.4
 
 
+def test_a_wait_inside_the_queue_limit_is_refused_when_its_own_prefill_then_misses_the_ttft_target():
+    # Prefill at 2 ms a token, a 2 s TTFT target and a 1.5 s queue-wait limit:
+    # behind a 256-token prompt (0.5 s), an 800-token one would start well
+    # inside the limit and still see its first token at 0.5 + 1.6 = 2.1 s.
+    ctl, _ = make(num_blocks=1000, max_num_seqs=64, tpot_slo_s=1.0, ttft_slo_s=2.0, max_queue_wait_s=1.5)
+    for p in (64, 128, 256, 512):
+        ctl.observe_step(0, p, 0.002 * p)
+    for d in (1, 2, 3, 4) * 3:
+        ctl.observe_step(d, 0, 0.01 + 0.001 * d)
+    admit(ctl, req(prompt=256))
+    wait_s, _ = ctl.expected_wait_s(req(prompt=800))
+    assert 0.4 <= wait_s <= 0.6, wait_s
+    refused = ctl.check(req(prompt=800))
+    assert (refused.outcome, refused.status, refused.reason) == (Outcome.REJECT, 429, "prefill_backlog"), refused
+    assert "TTFT target of 2.00 s" in refused.message and refused.retry_after_s >= 1, refused.message
+    assert ctl.check(req(prompt=600)).admitted  # 0.5 + 1.2 s: inside the target
+    assert ctl.check(req(prompt=800, priority=1)).admitted  # a deferred class waits on its own limit
+    # A prompt that cannot prefill inside the target even alone (2.4 s) is
+    # refused behind others, yet admitted when it would start at once.
+    assert not ctl.check(req(prompt=1200)).admitted
+    idle, _ = make(num_blocks=1000, max_num_seqs=64, tpot_slo_s=1.0, ttft_slo_s=2.0, max_queue_wait_s=1.5)
+    for p in (64, 128, 256, 512):
+        idle.observe_step(0, p, 0.002 * p)
+    assert idle.check(req(prompt=1200)).admitted
+
+
 def test_a_prefix_shared_down_the_queue_is_prefilled_once():
     # Four 256-token prompts ahead at 2 ms a token, as above, but all behind
     # one 192-token system prompt none of them found cached at the door: the

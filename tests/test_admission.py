@@ -597,6 +597,33 @@ def test_a_wait_inside_the_queue_limit_is_refused_when_its_own_prefill_then_miss
     assert idle.check(req(prompt=1200)).admitted
 
 
+def test_a_shared_prefix_stays_charged_to_whoever_holds_it_after_its_first_holder_leaves():
+    # A 256-token system prompt (16 blocks of 16) and 40 blocks in all. A
+    # prefilled it; B arrived on a prefix hit and was charged only its own 2
+    # blocks. When A finishes, B still pins the 16 prefix blocks: the ledger
+    # charges them to B (before, to no one, and a replica whose cache was
+    # full of such prefixes admitted as if it were empty).
+    ctl, clock = make(num_blocks=40, block_size=16, max_num_seqs=64, max_queue_wait_s=0.01)
+    system = tuple(b"system-%d" % i for i in range(16))
+    a = req(prompt=272, max_tokens=16, prompt_block_hashes=system + (b"a",))
+    b = req(prompt=272, max_tokens=16, num_cached_tokens=256, prompt_block_hashes=system + (b"b",))
+    for r in (a, b):
+        admit(ctl, r)
+        ctl.on_start(r.request_id)
+    clock.now += 1.0
+    ctl.on_finish(a.request_id)
+    # 18 blocks of B's + 26 of a newcomer's are past the 40: it waits for KV.
+    refused = ctl.check(req(prompt=400, max_tokens=16))
+    assert (refused.outcome, refused.reason) == (Outcome.REJECT, "kv_cache"), refused
+    assert ctl.check(req(prompt=300, max_tokens=16)).admitted  # 18 + 20 fit
+    ctl.on_finish(b.request_id)  # the prefix is held by no one now
+    assert ctl.check(req(prompt=400, max_tokens=16)).admitted
+    # A newcomer on the same prefix is charged for the blocks no admitted request holds.
+    c = req(prompt=272, max_tokens=16, num_cached_tokens=256, prompt_block_hashes=system + (b"c",))
+    admit(ctl, c)
+    assert not ctl.check(req(prompt=400, max_tokens=16)).admitted
+
+
 def test_a_prefix_shared_down_the_queue_is_prefilled_once():
     # Four 256-token prompts ahead at 2 ms a token, as above, but all behind
     # one 192-token system prompt none of them found cached at the door: the

@@ -196,13 +196,13 @@ class AdmissionController:
         the pace of the steps that will prefill it (_prefill_pace_s): beside
         the sequences decoding now and those ahead of it that will decode by
         then; and the seconds its own prompt then takes, at its turn's pace
-        (0 before prefill is measured). A request starts only when its turn for prefill comes: with
-        slots and KV free, a queue of long prompts still holds it (at rate 1
-        the peers' benchmark waited 11 s where slots and blocks promised
-        0.1 s). Pricing a burst's whole queue at the pace of its first
-        prompt, prefilled alone, promised 1.5 s to requests that waited 2.1
-        s: every prompt after the first prefills beside the decodes of the
-        ones before it, in TPOT-sized steps."""
+        (0 before prefill is measured). A request starts only when its turn
+        for prefill comes: with slots and KV free, a queue of long prompts
+        still holds it (at rate 1 the peers' benchmark waited 11 s where
+        slots and blocks promised 0.1 s). Pricing a burst's whole queue at
+        the pace of its first prompt, prefilled alone, promised 1.5 s to
+        requests that waited 2.1 s: every prompt after the first prefills
+        beside the decodes of the ones before it, in TPOT-sized steps."""
         # The last step's decoders are taken to be the longest started ones:
         # their prefill is done whatever pace it ran at.
         num_decoding = min(self.step_model.last_num_decode_seqs, self.num_started)

@@ -595,6 +595,13 @@ def test_a_wait_inside_the_queue_limit_is_refused_when_its_own_prefill_then_miss
     for p in (64, 128, 256, 512):
         idle.observe_step(0, p, 0.002 * p)
     assert idle.check(req(prompt=1200)).admitted
+    # A queue-wait limit at or past the TTFT target accepts waits past it
+    # (an opened-up server): the limit alone applies.
+    opened, _ = make(num_blocks=1000, max_num_seqs=64, tpot_slo_s=1.0, ttft_slo_s=2.0, max_queue_wait_s=2.0)
+    for p in (64, 128, 256, 512):
+        opened.observe_step(0, p, 0.002 * p)
+    admit(opened, req(prompt=256))
+    assert opened.check(req(prompt=800)).admitted
 
 
 def test_a_shared_prefix_stays_charged_to_whoever_holds_it_after_its_first_holder_leaves():

@@ -447,10 +447,13 @@ class AdmissionController:
         start inside 1.5 s and miss a 2 s TTFT (simulated, fleet.py's
         workload). A prompt that cannot prefill inside the target even at
         once still gets in when it would start at once (SHORT_WAIT_S):
-        refusing it always would refuse it forever."""
-        if request.priority > 0 or own_prefill_s <= 0:
+        refusing it always would refuse it forever. A queue-wait limit at
+        or past the TTFT target accepts waits past it (an opened-up server,
+        a batch fleet): there the limit alone applies."""
+        ttft_slo_s = self.config.ttft_slo_s
+        if request.priority > 0 or own_prefill_s <= 0 or self.max_wait_s(request.priority) >= ttft_slo_s:
             return math.inf
-        return max(SHORT_WAIT_S, self.config.ttft_slo_s - own_prefill_s)
+        return max(SHORT_WAIT_S, ttft_slo_s - own_prefill_s)
 
     def _wait_refusal(self, request: AdmissionRequest, wait_s: float, binding: Reason,
                       limit_s: float, own_prefill_s: float = 0.0) -> AdmissionDecision:

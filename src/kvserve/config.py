@@ -111,12 +111,12 @@ class AdmissionConfig:
 
     Times are seconds, sizes are tokens unless named otherwise.
     max_queue_wait_s: a request whose expected wait for KV / a batch slot is
-      above this is refused (429 + Retry-After) instead of queued; so is an
-      interactive one (priority <= 0) whose wait plus its own prompt's
-      expected prefill would pass ttft_slo_s. 1.5 s by
-      default, three quarters of the default TTFT target (the rest for the
-      estimate's error and a short prompt's prefill): at 1.0 s the default model
-      refused 3-5% of Poisson arrivals at 3-3.5 req/s whose admitted TTFT
+      above this is refused (429 + Retry-After) instead of queued; while it
+      is below ttft_slo_s, so is an interactive one (priority <= 0) whose
+      wait plus its own prompt's expected prefill would pass ttft_slo_s.
+      1.5 s by default, three quarters of the default TTFT target (the rest
+      for the estimate's error and a short prompt's prefill): at 1.0 s the
+      default model refused 3-5% of Poisson arrivals at 3-3.5 req/s whose admitted TTFT
       p99 was 1.2-1.3 s, and capacity at the MLPerf-server promise was 2.75
       req/s; at 1.5 s it is 3.75 req/s with TTFT p99 0.43-0.99 s and no
       refusal (vs_peers.py --points sweep, 2026-12-02).

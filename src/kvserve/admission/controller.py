@@ -231,17 +231,7 @@ class AdmissionController:
         for rid, t in self._tickets.items():
             if not t.started and t.request.priority > request.priority:
                 continue  # it waits behind this one
-            tokens = max(0, t.request.num_prompt_tokens - t.request.num_cached_tokens)
-            hashes = t.request.prompt_block_hashes
-            if hashes:
-                first = t.request.num_cached_tokens // block_size  # blocks past the door's hit
-                shared = 0
-                for block_hash in hashes[first:]:
-                    if block_hash not in prefilled:
-                        break
-                    shared += 1
-                prefilled.update(hashes[first + shared:])
-                tokens = max(0, tokens - shared * block_size)
+            tokens = _tokens_to_prefill(t.request, prefilled, block_size)
             if rid in decoding:
                 continue
             per_token_s = pace(decoders)
@@ -251,15 +241,7 @@ class AdmissionController:
                 wait_s += tokens * per_token_s
             if t.max_tokens > 1:  # it decodes beside the prompts after it
                 decoders += 1
-        own_tokens = max(0, request.num_prompt_tokens - request.num_cached_tokens)
-        if request.prompt_block_hashes:
-            shared = 0
-            for block_hash in request.prompt_block_hashes[request.num_cached_tokens // block_size:]:
-                if block_hash not in prefilled:
-                    break
-                shared += 1
-            own_tokens = max(0, own_tokens - shared * block_size)
-        return wait_s, own_tokens * pace(decoders)
+        return wait_s, _tokens_to_prefill(request, prefilled, block_size) * pace(decoders)
 
     def _prefill_pace_s(self, num_decoding: int) -> float:
         """Seconds per prompt token the steps prefill at with `num_decoding`
@@ -619,6 +601,24 @@ class AdmissionController:
         self._drain_requests.advance(now, busy)
         self._drain_tokens.advance(now, busy)
         self.retry_budget.advance(now, busy)
+
+
+def _tokens_to_prefill(request: AdmissionRequest, prefilled: set[bytes], block_size: int) -> int:
+    """Prompt tokens `request` prefills when its turn comes: past the door's
+    hit and past the leading blocks the prompts ahead prefill (`prefilled`,
+    to which its own blocks are then added)."""
+    tokens = max(0, request.num_prompt_tokens - request.num_cached_tokens)
+    hashes = request.prompt_block_hashes
+    if not hashes:
+        return tokens
+    first = request.num_cached_tokens // block_size  # blocks past the door's hit
+    shared = 0
+    for block_hash in hashes[first:]:
+        if block_hash not in prefilled:
+            break
+        shared += 1
+    prefilled.update(hashes[first + shared:])
+    return max(0, tokens - shared * block_size)
 
 
 def _wait_for(excess: float, rate: float | None, cold_allowance: float) -> float:

@@ -1315,11 +1315,25 @@ int kvq_matmul(int wtype, const uint8_t* w, int64_t N, int64_t K, const void* x,
     /* The tiles take 16 activation rows at a time: rows past M exist, with zero scales. */
     const int64_t rows = amx ? (M + KVQ_AMX_ROWS - 1) / KVQ_AMX_ROWS * KVQ_AMX_ROWS : M;
     const int isa = matmul_isa();
-    /* Pair tiles only where the weights are reused from L1 (M >= 4): a decode
-     * step's rows stream them from DRAM, where one group's sequential blocks
-     * ran faster (the default model's batch-1 decode step: 0.75-0.88x with
-     * pairs). The AMX tiles take the products without them. */
-    const int pairs = isa == 3 && M >= 4 && !amx;
+    /* A small product runs on the caller alone: waking a helper (a futex
+     * wake-up, an IPI on a VM) cost ~12 us per job, more than the helper
+     * saves on a batch-1 decode step's qkv, o and down projections (7-15 us
+     * on one thread; 2 threads measured slower), ~90 such jobs a step. */
+    const int64_t work_bytes = M * ((N + NR - 1) / NR) * nb * kvq_block_bytes(wtype);
+    const int threads = work_bytes < KVQ_MIN_PARALLEL_BYTES ? 1 : num_threads;
+    /* Pair tiles only where the weights are reused from L1: a decode step's
+     * rows stream them from DRAM, where one group's sequential blocks run
+     * faster (the default model's batch-1 decode step: 0.75-0.88x with
+     * pairs). A pair tile's activations are padded to KVQ_VNNI_ROWS rows, so
+     * 4-7 rows cost what 8 do; one thread streaming all the weights pays for
+     * that, two splitting them do not. Measured on the Zen 4 EPYC, the
+     * default model's decode-only step (decode_ab.py), pairs from 8 rows
+     * against from 4: one thread 1.26x faster at 4 rows, 1.21x at 5, 1.15x
+     * at 6, 1.10x at 7, the same at 8; two threads 0.91-0.95x at 6-7 rows,
+     * the same at 4-5. kvq_ab.py's cache-hot calls favour pairs from 4 rows
+     * on one thread too: it does not see the stream. The AMX tiles take the
+     * products without them. */
+    const int pairs = isa == 3 && !amx && M >= (threads == 1 ? KVQ_VNNI_ROWS : 4);
     const int64_t tiled = pairs ? (M + KVQ_VNNI_ROWS - 1) / KVQ_VNNI_ROWS * KVQ_VNNI_ROWS : 0;
     uint8_t* scratch = scratch_for(rows * K + 8 * M * nb + (amx ? 8 * rows * nb : 0) + tiled * K + 8 * tiled * nb);
     if (scratch == NULL) return -1;
@@ -1335,13 +1349,7 @@ int kvq_matmul(int wtype, const uint8_t* w, int64_t N, int64_t K, const void* x,
         j.qt = (int8_t*)(j.st + 2 * tiled * nb);
     }
     parallel_chunks(num_threads, (M + KVQ_QUANT_ROWS - 1) / KVQ_QUANT_ROWS, quantize_chunk, &j);
-    /* A small product runs on the caller alone: waking a helper (a futex
-     * wake-up, an IPI on a VM) cost ~12 us per job, more than the helper
-     * saves on a batch-1 decode step's qkv, o and down projections (7-15 us
-     * on one thread; 2 threads measured slower), ~90 such jobs a step. */
-    const int64_t work_bytes = M * j.groups * nb * j.bb;
-    parallel_chunks(work_bytes < KVQ_MIN_PARALLEL_BYTES ? 1 : num_threads,
-                    (j.groups + j.chunk_groups - 1) / j.chunk_groups, matmul_chunk, &j);
+    parallel_chunks(threads, (j.groups + j.chunk_groups - 1) / j.chunk_groups, matmul_chunk, &j);
     return 0;
 }
 

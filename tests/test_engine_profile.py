@@ -146,7 +146,35 @@ def test_the_serving_loop_times_each_decode_step_through_the_async_engine():
     assert not core.has_unfinished()
     assert timing.num_steps == 3 * 5  # one decode step per token after each request's first
     # The loop's own work between steps (the turn's bookkeeping, the handoff) is never free.
-    assert timing.mean_step_s > 0 and timing.overhead_per_step_s > 0
+    assert timing.mean_step_s > 0 and timing.overhead_per_step_s > 0 and timing.predicted_step_s is None
+    assert timing.overhead_per_step_s == pytest.approx(timing.mean_period_s - timing.mean_step_s)
+
+
+def test_the_serving_overhead_is_what_a_token_takes_beyond_the_fitted_step():
+    """Against a step model, the overhead is the mean period over what the
+    model gives the very steps the loop ran (their exact shapes): a served
+    step's own slowdown beside the event loop counts, not only the handoff."""
+    import random
+
+    from kvserve.engine.profile import time_serving_loop
+
+    core = tiny_engine(tiny_llama(), num_blocks=128, max_num_batched_tokens=64)
+    shapes = []
+
+    def model(shape):  # a fitted step that grows with the context read
+        shapes.append(shape)
+        return 1e-5 * shape.kv_tokens_read
+
+    timing = time_serving_loop(core, random.Random(0), num_requests=2, prompt_tokens=8, new_tokens=6,
+                               step_model=model)
+    assert [(s.num_decode_seqs, s.num_prefill_tokens) for s in shapes] == [(1, 0)] * (2 * 5)
+    assert sorted(s.kv_tokens_read for s in shapes) == sorted([9, 10, 11, 12, 13] * 2)  # prompt 8, one more a step
+    assert timing.predicted_step_s == pytest.approx(1e-5 * 11)
+    assert timing.overhead_per_step_s == pytest.approx(timing.mean_period_s - timing.predicted_step_s)
+    # A model slower than the loop leaves no negative overhead.
+    slow = time_serving_loop(core, random.Random(0), num_requests=1, prompt_tokens=8, new_tokens=6,
+                             step_model=lambda shape: 10.0)
+    assert slow.overhead_per_step_s == 0.0
 
 
 def test_the_speed_drift_is_a_trace_of_back_to_back_decode_steps_as_long_as_asked():

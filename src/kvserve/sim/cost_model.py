@@ -35,9 +35,10 @@ stretch get the slow TPOT they get live.
 A served step costs more than the step: between two steps the server's
 engine thread hands the step's outputs to the event loop that streams them
 (async_engine.py), and the two threads share the GIL, so the engine waits
-while the event loop turns the outputs into SSE. `kvserve profile` times
-that wait through the same AsyncEngine loop with a consumer reading every
-stream, and `LinearCostModel.serving_overhead_s` charges it to every
+while the event loop turns the outputs into SSE, between steps and inside
+them. `kvserve profile` times a token's period through the same AsyncEngine
+loop with a consumer reading every stream, against the fitted steps, and
+`LinearCostModel.serving_overhead_s` charges the difference to every
 simulated step.
 """
 
@@ -152,10 +153,10 @@ class LinearCostModel:
     # its repeats (empty: not measured). The model itself predicts the
     # median; `JitteredCostModel` applies these.
     step_jitter: tuple[float, ...] = ()
-    # The serving loop's time between two steps (the outputs' handoff to
-    # the event loop, measured by `kvserve profile` through AsyncEngine):
-    # a served step occupies the engine this much longer than
-    # `EngineCore.step()`, which the coefficients were fitted to.
+    # What serving adds to a step (the outputs' handoff to the event loop,
+    # the GIL shared with it; measured by `kvserve profile` through
+    # AsyncEngine): a served step occupies the engine this much longer than
+    # the `EngineCore.step()` the coefficients were fitted to.
     serving_overhead_s: float = 0.0
     # The machine's speed over seconds (None: not measured); applied, as
     # the step jitter, by `JitteredCostModel`.
@@ -618,8 +619,8 @@ def profile_json(model: LinearCostModel, stats: dict, engine: dict, about: dict,
     if model.step_jitter:
         jitter = {"about": "each timed repeat of a shape over the median of its repeats",
                   **jitter_summary(model.step_jitter), "ratios": [round(r, 4) for r in model.step_jitter]}
-    loop = {"about": "mean time per step the serving loop adds to EngineCore.step() (the outputs' handoff "
-                     "to the event loop); charged to every simulated step",
+    loop = {"about": "mean time per step the serving loop adds to the fitted step (the outputs' handoff "
+                     "to the event loop, the GIL the two threads share); charged to every simulated step",
             **(serving_loop or {}), "overhead_per_step_s": model.serving_overhead_s}
     return {"kind": "linear", "coefficients": {n: getattr(model, n) for n in LINEAR_FEATURES},
             "token_curve": curve, "step_jitter": jitter, "serving_loop": loop,

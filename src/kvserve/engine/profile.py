@@ -256,6 +256,13 @@ def _measure_context(core: EngineCore, timer: _StepTimer, rng: random.Random, co
         core.abort(request.request_id)
 
 
+def _lone_decode(step) -> bool:
+    """A batch-1 decode-only step (a StepShape or a StepReport): what the
+    serving loop and the speed drift time, and the same filter on both of
+    the loop's records keeps its shapes and step times in step."""
+    return step.num_decode_seqs == 1 and step.num_prefill_tokens == 0
+
+
 class ServingLoopTiming(NamedTuple):
     overhead_per_step_s: float  # mean period over the steps' predicted (else measured) time, >= 0
     mean_step_s: float  # EngineCore.step() of the same steps, as timed in the loop
@@ -293,11 +300,11 @@ def time_serving_loop(core: EngineCore, rng: random.Random, num_requests: int = 
 
     def on_scheduled(scheduled) -> None:  # engine thread: the step's exact shape
         shape = chunk_shape(scheduled.chunks)
-        if shape.num_decode_seqs == 1 and shape.num_prefill_tokens == 0:
+        if _lone_decode(shape):
             decode_shapes.append(shape)
 
     def on_step(report) -> None:
-        if report.num_decode_seqs == 1 and report.num_prefill_tokens == 0:
+        if _lone_decode(report):
             decode_step_s.append(report.step_s)
         for done in report.finished:
             metrics.record_finished(done.timestamps, done.num_prompt_tokens, done.num_output_tokens,
@@ -355,7 +362,7 @@ def time_speed_drift(core: EngineCore, rng: random.Random, seconds: float, bin_s
             result = core.step()
             elapsed = time.perf_counter() - start
             shape = chunk_shape(result.scheduled.chunks)
-            if shape.num_decode_seqs == 1 and shape.num_prefill_tokens == 0:
+            if _lone_decode(shape):
                 steps.append((start, elapsed))
     return SpeedDrift.of_steps(steps, bin_s, block_s)
 

@@ -111,13 +111,16 @@ def test_profile_command_writes_a_curve_that_simulate_reads(tmp_path, capsys):
         == 3 * len(document["samples"])
     printed = capsys.readouterr().out
     assert "curve: 1:" in printed and "step jitter" in printed and "serving loop overhead" in printed
-    assert "speed drift (4 bins of 0.25 s)" in printed  # 1 s of back-to-back steps
     drift = document["speed_drift"]
-    # Each bin's median step over the whole trace's: around 1, by how much
-    # is the machine's (a shared CI box's bins read p50 1.22 once), so only
-    # the normalization is checked here (SpeedDrift.of_steps is tested exactly
-    # in test_sim_cost_model.py).
-    assert drift["num_bins"] == len(drift["factors"]) == 4 and 0.5 < drift["p50"] < 2.0
+    # 1 s of back-to-back steps in 50 ms bins (one left out where a request
+    # boundary leaves it thin is the machine's, not an error).
+    assert f"speed drift ({drift['num_bins']} bins of 0.05 s)" in printed
+    assert drift["num_bins"] == len(drift["factors"]) and 15 <= drift["num_bins"] <= 20
+    # Each bin's mean step over the whole trace's: their mean is 1 up to
+    # the bins' unequal step counts; how far they spread is the machine's,
+    # so only the normalization is checked here (SpeedDrift.of_steps is
+    # tested exactly in test_sim_cost_model.py).
+    assert 0.8 < drift["mean"] < 1.25 and 0.5 < drift["p50"] < 2.0
     loop = document["serving_loop"]
     assert loop["num_steps"] == 6 * 23 and loop["overhead_per_step_s"] > 0  # 6 requests of 24 tokens
     rc = main(["simulate", "--model", str(folder), "--hardware", str(out), "--workload", "short",
@@ -129,7 +132,7 @@ def test_profile_command_writes_a_curve_that_simulate_reads(tmp_path, capsys):
     assert applied["step_jitter"]["num_ratios"] == document["step_jitter"]["num_ratios"]
     assert applied["step_jitter"]["seed"] == 0
     assert applied["serving_overhead_s"] == loop["overhead_per_step_s"]
-    assert applied["speed_drift"]["num_bins"] == 4 and applied["speed_drift"]["seed"] == 0
+    assert applied["speed_drift"]["num_bins"] == drift["num_bins"] and applied["speed_drift"]["seed"] == 0
     with pytest.raises(SystemExit):
         main(["profile", "--tokens", "1,x"])
     with pytest.raises(ValueError, match=">= 1"):

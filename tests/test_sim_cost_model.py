@@ -351,20 +351,23 @@ def test_serving_overhead_is_charged_to_every_step_and_round_trips(tmp_path):
             LinearCostModel(0.01, 0.0, 0.0, 0.0, serving_overhead_s=bad)
 
 
-def test_speed_drift_is_each_bins_median_step_over_the_traces():
+def test_speed_drift_is_each_bins_mean_step_over_the_traces():
     from kvserve.sim.cost_model import SpeedDrift
 
-    # 4 steps per 0.25 s bin at 10 ms, then a bin at 20 ms, then one too
-    # thin to say anything (2 steps), then 10 ms again.
+    # 4 steps per 0.25 s bin at 10 ms, then a bin with a slow stretch
+    # inside (a median would hide it), then one too thin to say anything
+    # (2 steps, left out of the mean too), then 10 ms again.
     steps = [(100.0 + i * 0.0625, 0.010) for i in range(8)]
-    steps += [(100.5 + i * 0.0625, 0.020) for i in range(4)]
+    steps += [(100.5 + i * 0.0625, t) for i, t in enumerate((0.010, 0.030, 0.030, 0.010))]
     steps += [(100.75, 0.5), (100.8, 0.5)]
     steps += [(101.0 + i * 0.0625, 0.010) for i in range(4)]
     drift = SpeedDrift.of_steps(steps, bin_s=0.25, block_s=0.5)
-    assert drift.factors == (1.0, 1.0, 2.0, 1.0)
+    mean = (14 * 0.010 + 2 * 0.030) / 16  # the 16 steps in bins kept
+    assert drift.factors == pytest.approx((0.010 / mean, 0.010 / mean, 0.020 / mean, 0.010 / mean))
     assert drift.block_bins == 2
-    assert drift.summary()["max"] == 2.0 and drift.summary()["mean"] == 1.25
+    assert drift.summary()["max"] == pytest.approx(0.020 / mean) and drift.summary()["mean"] == pytest.approx(1.0)
     assert SpeedDrift.of_steps([], 0.25, 1.0) is None
+    assert SpeedDrift.of_steps([(0.0, 0.01), (0.3, 0.01)], 0.25, 1.0) is None  # no bin holds 3 steps
     with pytest.raises(ValueError, match="> 0"):
         SpeedDrift(0.25, (1.0, 0.0), 1.0)
     with pytest.raises(ValueError, match="> 0"):

@@ -65,11 +65,12 @@ DECODE_SETTLE_STEPS = 8
 SERVING_LOOP_REQUESTS = 6
 SERVING_LOOP_PROMPT_TOKENS = 48
 SERVING_LOOP_NEW_TOKENS = 24
-# The speed drift: how long its trace runs, the bin each factor medians and
-# the blocks a simulation replays (a slow stretch on this project's CPU
-# lasts a second or more).
+# The speed drift: how long its trace runs, the bin each factor averages
+# (about ten batch-1 decode steps: a slow stretch on this project's CPU
+# lasts 50-200 ms, a slow spell a second or more) and the blocks a
+# simulation replays.
 DRIFT_SECONDS = 12.0
-DRIFT_BIN_S = 0.25
+DRIFT_BIN_S = 0.05
 DRIFT_BLOCK_S = 2.0
 
 
@@ -113,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "`kvserve simulate` adds to every step; 0 skips it (no overhead)")
     parser.add_argument("--drift-seconds", type=float, default=DRIFT_SECONDS,
                         help="seconds of back-to-back batch-1 decode steps timed last: the machine's speed "
-                             f"over time (each {DRIFT_BIN_S:g} s's median step over the whole trace's), which "
+                             f"over time (each {DRIFT_BIN_S:g} s's mean step over the whole trace's), which "
                              "`kvserve simulate` replays so that a request decoding in a slow stretch is slow "
                              "throughout, as it is live; 0 skips it")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens")
@@ -346,7 +347,7 @@ def time_serving_loop(core: EngineCore, rng: random.Random, num_requests: int = 
 def time_speed_drift(core: EngineCore, rng: random.Random, seconds: float, bin_s: float = DRIFT_BIN_S,
                      block_s: float = DRIFT_BLOCK_S) -> SpeedDrift | None:
     """The machine's speed over `seconds`: batch-1 decode steps back to back
-    (the serving loop's requests, one after another), each bin's median
+    (the serving loop's requests, one after another), each bin's mean
     over the trace's. The step's context grows by a request's new tokens
     (48 to 72), ~2% of its time here: small beside the drift it measures.
     The core must be idle; it is left idle."""

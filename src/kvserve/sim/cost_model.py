@@ -24,13 +24,14 @@ repeat of a timed shape over the median of its repeats), and
 `JitteredCostModel` multiplies each simulated step by a ratio drawn from
 it, so a simulated tail (p99 TTFT is about one step at low load) carries
 the machine's variation and not only the model's. A shared machine's speed
-also drifts over seconds (neighbours, frequency): a batch-1 decode step
-timed back to back for ten seconds runs 0.8x-1.3x its median in stretches
-of a second or more, which per-step draws average away inside one request.
-The profile records that drift too (`SpeedDrift`: the step's median per
-quarter second over the whole trace's), and the jittered model replays
-stretches of it against simulated time, so requests that decode in a slow
-stretch get the slow TPOT they get live.
+also moves over time (neighbours, frequency, memory traffic beside the
+engine): a batch-1 decode step timed back to back runs 1.5-1.8x its median
+in stretches of 50-200 ms, and 0.8x-1.3x for a second or more, which
+per-step draws average away inside one request (a short request's decode
+lasts about 100 ms). The profile records that drift too (`SpeedDrift`: the
+mean step per 50 ms over the whole trace's mean), and the jittered model
+replays stretches of it against simulated time, so requests that decode in
+a slow stretch get the slow TPOT they get live.
 
 A served step costs more than the step: between two steps the server's
 engine thread hands the step's outputs to the event loop that streams them
@@ -223,11 +224,21 @@ class LinearCostModel:
 @dataclass(frozen=True)
 class SpeedDrift:
     """How the machine's speed moved over a measured stretch of time: per
-    `bin_s` of a trace of back-to-back reference steps, the median step
-    over the whole trace's median (1.2: that stretch ran 20% slow). A
-    simulation replays it in blocks of `block_s` drawn from random places in
-    the trace: the drift's own correlation (a slow second is followed by a
-    slow second) kept inside a block, fresh realizations between blocks."""
+    `bin_s` of a trace of back-to-back reference steps, the mean step over
+    the whole trace's mean (1.2: that stretch ran 20% slower than the
+    trace's average). A simulation replays it in blocks of `block_s` drawn
+    from random places in the trace: the drift's own correlation (a slow
+    stretch is followed by a slow stretch) kept inside a block, fresh
+    realizations between blocks.
+
+    Means, not medians: a bin's median hides a slow stretch shorter than
+    half a bin, and on the 2026-12-07 EPYC the slow stretches that make a
+    short request's TPOT 1.3-1.6x are 50-200 ms of steps run 1.5-1.8x
+    (over 90 s of the engine alone, quarter-second medians read 1.20x at
+    most where 50 ms means read up to 1.65x). Over the trace's mean, not its
+    median: the factors average 1, so the drift moves a step's time around
+    the level the fit and the step jitter's ratios give it without raising
+    that level a second time."""
 
     bin_s: float
     factors: tuple[float, ...]
@@ -250,7 +261,7 @@ class SpeedDrift:
                 "max": ordered[-1], "mean": sum(ordered) / len(ordered)}
 
     def to_json(self) -> dict:
-        return {"about": "per bin_s of back-to-back batch-1 decode steps, their median over the whole "
+        return {"about": "per bin_s of back-to-back batch-1 decode steps, their mean over the whole "
                          "trace's: the machine's speed over time, replayed by kvserve simulate in blocks of "
                          "block_s", **self.summary(), "factors": [round(f, 4) for f in self.factors]}
 
@@ -262,16 +273,17 @@ class SpeedDrift:
     def of_steps(cls, steps: list[tuple[float, float]], bin_s: float, block_s: float,
                  min_steps_per_bin: int = 3) -> "SpeedDrift | None":
         """From (start time s, step s) of reference steps of one shape (or
-        nearly): None when no bin holds `min_steps_per_bin` steps."""
-        if not steps:
-            return None
-        reference = statistics.median(t for _, t in steps)
-        start = steps[0][0]
+        nearly): each bin's mean step over the mean of the steps in bins
+        kept; None when no bin holds `min_steps_per_bin` steps."""
+        start = steps[0][0] if steps else 0.0
         bins: dict[int, list[float]] = {}
         for at, step_s in steps:
             bins.setdefault(int((at - start) // bin_s), []).append(step_s)
-        factors = tuple(statistics.median(v) / reference for _, v in sorted(bins.items())
-                        if len(v) >= min_steps_per_bin)
+        kept = [v for _, v in sorted(bins.items()) if len(v) >= min_steps_per_bin]
+        if not kept:
+            return None
+        reference = statistics.fmean(t for v in kept for t in v)
+        factors = tuple(statistics.fmean(v) / reference for v in kept)
         return cls(bin_s, factors, block_s) if factors and reference > 0 else None
 
 

@@ -284,7 +284,7 @@ class SpeedDrift:
             return None
         reference = statistics.fmean(t for v in kept for t in v)
         factors = tuple(statistics.fmean(v) / reference for v in kept)
-        return cls(bin_s, factors, block_s) if factors and reference > 0 else None
+        return cls(bin_s, factors, block_s) if reference > 0 else None
 
 
 def _check_jitter_ratios(ratios: tuple[float, ...]) -> None:

@@ -24,6 +24,13 @@
    against issue 22's goal: every p50 / p99 TTFT and TPOT error within
    --target (10%) in at least 4 of 5 repeated runs (--repeats; each repeat
    its own seed), naming the rows that missed; writes OUT/validation.json.
+   With --live-twice, each run's workload is served once more, on another
+   fresh server right after the second profile, and judged against the
+   first live run by the same rule: the machine's own floor (how far the
+   same workload on the same machine moves within minutes, which no
+   profile taken beside a run can predict). A simulator missing where
+   the live runs agree has a fault of its own; one missing where they do
+   not is at the machine's floor.
    `--resimulate` redoes step 2's simulations and step 3 against the live
    runs saved in OUT, the bracketed and calibrated profiles fitted again
    from the saved before / after profiles' timed steps (a change to the
@@ -375,6 +382,11 @@ def measure_rate(args: argparse.Namespace, out: Path, run: Run, gguf: str) -> di
         gaps_after = live_decode_gaps_s(base_url, first_probe=4)
         live_step_s = statistics.median(gaps_before + gaps_after)
     after = profile_now(args, out / f"profile_{key}_after.json")
+    if args.live_twice:  # after the bracket, so the simulated run's profiles lie as close to it as ever
+        with serving(ENGINE_FLAGS + ADMISSION_FLAGS) as base_url:
+            subprocess.run(kvserve("bench", "--base-url", base_url, *load_flags(args, run.rate, run.seed(args)),
+                                   "--tokenizer", gguf, "--no-progress", "--out", str(out / f"bench_{key}_again")),
+                           check=True, env=ENV)
     return {**fit_profiles(out, key, before, after, live_step_s), "frontend_latency_s": frontend_s,
             "live_decode_step_s": live_step_s,
             "live_decode_step_before_s": statistics.median(gaps_before),
@@ -417,6 +429,16 @@ def saturation(args: argparse.Namespace, out: Path, gguf: str) -> dict:
     real, sim = (json.loads((out / name / "sweep.json").read_text()) for name in ("saturation_bench", "saturation_sim"))
     return {field: {"real": real[field], "sim": sim[field], "rel_error": relative_error(sim[field], real[field])}
             for field in ("max_sustainable_rate_per_s", "capacity_at_slo_per_s")}
+
+
+def live_again(out: Path, run: Run) -> dict | None:
+    """The run's second live run (--live-twice) against its first, row by
+    row as a simulation is ("sim" holding the second); None without one."""
+    again = out / f"bench_{run.key}_again" / "report.json"
+    if not again.is_file():
+        return None
+    first = json.loads((out / f"bench_{run.key}" / "report.json").read_text())
+    return compare(first, [json.loads(again.read_text())])
 
 
 def verdicts(rows_by_run: dict[str, dict], target: float, repeats: int) -> dict[str, dict]:
@@ -479,6 +501,10 @@ def main() -> int:
                         help="step jitter realizations simulated per rate; the table shows their median")
     parser.add_argument("--profile-budget", type=float, default=90.0,
                         help="seconds of profiling before and after each rate")
+    parser.add_argument("--live-twice", action="store_true",
+                        help="serve each run's workload a second time (another fresh server, after the "
+                             "second profile) and judge it against the first by the same rule: the "
+                             "machine's floor beside the simulator's error")
     parser.add_argument("--profile", default=None, help="reuse this profile JSON instead of profiling")
     parser.add_argument("--resimulate", action="store_true",
                         help="skip the live runs: simulate again against those saved in --out (its "
@@ -521,8 +547,11 @@ def main() -> int:
         for name, rows in simulate_rate(args, out, Run.of_key(key), gguf, fit["frontend_latency_s"]).items():
             results[name][key] = rows
     judged = verdicts(results["sim"], args.target, args.repeats)
+    floor_rows = {key: rows for key in fits if (rows := live_again(out, Run.of_key(key))) is not None}
+    floor = verdicts(floor_rows, args.target, args.repeats) if floor_rows else None
     document = {"rates": results["sim"], "rates_no_jitter": results["sim_no_jitter"],
-                "rates_calibrated": results["sim_calibrated"], "verdicts": judged, "saturation": sat,
+                "rates_calibrated": results["sim_calibrated"], "verdicts": judged,
+                "live_again": floor_rows or None, "live_again_verdicts": floor, "saturation": sat,
                 "profile_fits": fits, "wall_s": time.monotonic() - started,
                 "load_average": {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
                 "args": vars(args)}
@@ -532,6 +561,10 @@ def main() -> int:
           f"calibrated to the live server's batch-1 decode step (probes before and after the bench run)")
     print(format_table(results))
     print(format_verdicts(judged, args.target))
+    if floor is not None:
+        print("the machine's floor: the same workload live a second time, against the first")
+        print(format_table({"live_again": floor_rows}))
+        print(format_verdicts(floor, args.target))
     if sat is not None:
         print(format_saturation(sat))
     load = document["load_average"]

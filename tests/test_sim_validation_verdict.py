@@ -49,3 +49,27 @@ def test_a_row_the_simulation_could_not_produce_is_a_miss_and_queue_wait_is_not_
 def test_run_keys_round_trip_and_repeat_zero_keeps_the_old_file_names(validation):
     assert validation.Run(0.25).key == "0.25"
     assert validation.Run.of_key(validation.Run(1.5, 3).key) == validation.Run(1.5, 3)
+
+
+def _report(ttft_p50: float, tpot_p99: float) -> dict:
+    latency = {"p50": 0.05, "p99": 0.08}
+    return {"summary": {"goodput": 0.5, "outcomes": {"success": 24},
+                        "ttft": {**latency, "p50": ttft_p50}, "tpot": {"p50": 0.006, "p99": tpot_p99},
+                        "queue_time": {"p50": 0.0, "p99": 0.001}}}
+
+
+def test_a_second_live_run_is_judged_against_the_first_by_the_same_rule(validation, tmp_path):
+    import json
+
+    run = validation.Run(0.5, 1)
+    reports = {f"bench_{run.key}": _report(0.040, 0.008), f"bench_{run.key}_again": _report(0.046, 0.0082)}
+    for name, report in reports.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "report.json").write_text(json.dumps(report))
+    rows = validation.live_again(tmp_path, run)
+    assert rows["ttft_p50"]["real"] == 0.040 and rows["ttft_p50"]["sim"] == 0.046
+    assert rows["ttft_p50"]["rel_error"] == pytest.approx(0.15)
+    assert rows["tpot_p99"]["rel_error"] == pytest.approx(0.025)
+    (verdict,) = validation.verdicts({run.key: rows}, target=0.10, repeats=1).values()
+    assert verdict["misses"] == [{"repeat": 1, "ttft_p50": pytest.approx(0.15)}]
+    assert validation.live_again(tmp_path, validation.Run(0.5, 2)) is None  # no second run: no floor

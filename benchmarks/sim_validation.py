@@ -523,7 +523,7 @@ def main() -> int:
     sat = None
     if args.resimulate:
         saved = json.loads((out / "validation.json").read_text())
-        for key in ("rates", "num_requests", "workload", "arrival", "slo", "seed", "repeats"):
+        for key in ("rates", "num_requests", "workload", "arrival", "slo", "seed", "repeats", "live_twice"):
             setattr(args, key, saved["args"].get(key, getattr(args, key)))
         fits, sat = saved["profile_fits"], saved.get("saturation")
         for key, fit in fits.items():  # fitted again: the fit may have changed since
@@ -547,7 +547,9 @@ def main() -> int:
         for name, rows in simulate_rate(args, out, Run.of_key(key), gguf, fit["frontend_latency_s"]).items():
             results[name][key] = rows
     judged = verdicts(results["sim"], args.target, args.repeats)
-    floor_rows = {key: rows for key in fits if (rows := live_again(out, Run.of_key(key))) is not None}
+    # Only the second runs this run made: an --out reused without --live-twice keeps older ones.
+    floor_rows = {key: rows for key in fits if args.live_twice
+                  and (rows := live_again(out, Run.of_key(key))) is not None}
     floor = verdicts(floor_rows, args.target, args.repeats) if floor_rows else None
     document = {"rates": results["sim"], "rates_no_jitter": results["sim_no_jitter"],
                 "rates_calibrated": results["sim_calibrated"], "verdicts": judged,

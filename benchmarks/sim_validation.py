@@ -362,6 +362,13 @@ def profile_now(args: argparse.Namespace, path: Path) -> str:
     return str(path)
 
 
+def bench_run(args: argparse.Namespace, run: Run, base_url: str, gguf: str, report_dir: Path) -> None:
+    """`kvserve bench` of the run's workload against the server at `base_url`."""
+    subprocess.run(kvserve("bench", "--base-url", base_url, *load_flags(args, run.rate, run.seed(args)),
+                           "--tokenizer", gguf, "--no-progress", "--out", str(report_dir)),
+                   check=True, env=ENV)
+
+
 def measure_rate(args: argparse.Namespace, out: Path, run: Run, gguf: str) -> dict:
     """The live part for one run: profile, a fresh server with probes around
     the bench run, profile again; writes the bracketed and calibrated
@@ -374,9 +381,7 @@ def measure_rate(args: argparse.Namespace, out: Path, run: Run, gguf: str) -> di
     with serving(ENGINE_FLAGS + ADMISSION_FLAGS) as base_url:
         frontend_s = frontend_latency_s(base_url)
         gaps_before = live_decode_gaps_s(base_url)
-        subprocess.run(kvserve("bench", "--base-url", base_url, *load_flags(args, run.rate, run.seed(args)),
-                               "--tokenizer", gguf, "--no-progress", "--out", str(out / f"bench_{key}")),
-                       check=True, env=ENV)
+        bench_run(args, run, base_url, gguf, out / f"bench_{key}")
         # Probes after the run too, as the profile brackets it: one
         # moment's probe can catch the machine slow or fast.
         gaps_after = live_decode_gaps_s(base_url, first_probe=4)
@@ -384,9 +389,7 @@ def measure_rate(args: argparse.Namespace, out: Path, run: Run, gguf: str) -> di
     after = profile_now(args, out / f"profile_{key}_after.json")
     if args.live_twice:  # after the bracket, so the simulated run's profiles lie as close to it as ever
         with serving(ENGINE_FLAGS + ADMISSION_FLAGS) as base_url:
-            subprocess.run(kvserve("bench", "--base-url", base_url, *load_flags(args, run.rate, run.seed(args)),
-                                   "--tokenizer", gguf, "--no-progress", "--out", str(out / f"bench_{key}_again")),
-                           check=True, env=ENV)
+            bench_run(args, run, base_url, gguf, out / f"bench_{key}_again")
     return {**fit_profiles(out, key, before, after, live_step_s), "frontend_latency_s": frontend_s,
             "live_decode_step_s": live_step_s,
             "live_decode_step_before_s": statistics.median(gaps_before),
@@ -548,8 +551,9 @@ def main() -> int:
             results[name][key] = rows
     judged = verdicts(results["sim"], args.target, args.repeats)
     # Only the second runs this run made: an --out reused without --live-twice keeps older ones.
-    floor_rows = {key: rows for key in fits if args.live_twice
-                  and (rows := live_again(out, Run.of_key(key))) is not None}
+    floor_rows = {}
+    if args.live_twice:
+        floor_rows = {key: rows for key in fits if (rows := live_again(out, Run.of_key(key))) is not None}
     floor = verdicts(floor_rows, args.target, args.repeats) if floor_rows else None
     document = {"rates": results["sim"], "rates_no_jitter": results["sim_no_jitter"],
                 "rates_calibrated": results["sim_calibrated"], "verdicts": judged,

@@ -430,8 +430,16 @@ def saturation(args: argparse.Namespace, out: Path, gguf: str) -> dict:
     if rc != 0:
         raise SystemExit(f"simulate --sweep failed with {rc}")
     real, sim = (json.loads((out / name / "sweep.json").read_text()) for name in ("saturation_bench", "saturation_sim"))
-    return {field: {"real": real[field], "sim": sim[field], "rel_error": relative_error(sim[field], real[field])}
-            for field in ("max_sustainable_rate_per_s", "capacity_at_slo_per_s")}
+    compared = {field: {"real": real[field], "sim": sim[field], "rel_error": relative_error(sim[field], real[field])}
+                for field in ("max_sustainable_rate_per_s", "capacity_at_slo_per_s")}
+    return {**compared, "reached": {"real": reached_saturation(real), "sim": reached_saturation(sim)}}
+
+
+def reached_saturation(sweep: dict) -> bool:
+    """Whether a capacity search found its saturation rate: some rate it
+    ran was not sustainable. One whose runs all held ran out of runs while
+    still doubling, and its max sustainable rate is only a lower bound."""
+    return any(not point["sustainable"] for point in sweep["points"])
 
 
 def live_again(out: Path, run: Run) -> dict | None:
@@ -477,9 +485,15 @@ def format_verdicts(by_rate: dict[str, dict], target: float) -> str:
 
 
 def format_saturation(sat: dict) -> str:
-    return "saturation (bench --sweep live vs simulate --sweep): " + ", ".join(
+    rows = {field: row for field, row in sat.items() if field != "reached"}
+    line = "saturation (bench --sweep live vs simulate --sweep): " + ", ".join(
         f"{field} real {row['real']} sim {row['sim']} error "
-        f"{'-' if row['rel_error'] is None else format(row['rel_error'], '.0%')}" for field, row in sat.items())
+        f"{'-' if row['rel_error'] is None else format(row['rel_error'], '.0%')}" for field, row in rows.items())
+    short = [side for side, found in (sat.get("reached") or {}).items() if not found]
+    if short:
+        line += (f"\n  the {' and '.join(short)} search ran out of runs before any rate failed: its max "
+                 f"sustainable rate is a lower bound, not the saturation rate (raise --sweep-max-runs)")
+    return line
 
 
 def main() -> int:
@@ -499,7 +513,9 @@ def main() -> int:
                         help="first compare the capacity search live vs simulated, then validate the live "
                              "max sustainable rate too")
     parser.add_argument("--sweep-start-rate", type=float, default=0.5, help="with --saturation: first rate")
-    parser.add_argument("--sweep-max-runs", type=int, default=5, help="with --saturation: most runs per search")
+    # 9 runs from 0.5 req/s: doubling to 32, then two bisections; the default
+    # server here saturates at 26 req/s (2026-12-08, AMX Xeon).
+    parser.add_argument("--sweep-max-runs", type=int, default=9, help="with --saturation: most runs per search")
     parser.add_argument("--jitter-seeds", type=int, default=9,
                         help="step jitter realizations simulated per rate; the table shows their median")
     parser.add_argument("--profile-budget", type=float, default=90.0,

@@ -513,8 +513,8 @@ def main() -> int:
                         help="first compare the capacity search live vs simulated, then validate the live "
                              "max sustainable rate too")
     parser.add_argument("--sweep-start-rate", type=float, default=0.5, help="with --saturation: first rate")
-    # 9 runs from 0.5 req/s: doubling to 32, then two bisections; the default
-    # server here saturates at 26 req/s (2026-12-08, AMX Xeon).
+    # 9 runs from 0.5 req/s: doubling to 32, then two bisections; the
+    # validation's server saturates at 26 req/s on the AMX Xeon (2026-12-08).
     parser.add_argument("--sweep-max-runs", type=int, default=9, help="with --saturation: most runs per search")
     parser.add_argument("--jitter-seeds", type=int, default=9,
                         help="step jitter realizations simulated per rate; the table shows their median")

@@ -55,9 +55,10 @@ if TYPE_CHECKING:  # imported when profiling starts, so `--help` does not load t
 # one. Measured on the AMX Xeon (default model, one thread), a prompt step
 # of 33 tokens took 26.9 ms against 24.6 at 32, 65 took 33.4 against 30.3
 # at 64, and 17 and 25 jumped alike; a curve through 16, 24, 32, 48 and 64
-# alone read 5-15% low for most sizes between them (1.09x over the prompts
-# of a 16-64 token workload), and `kvserve simulate` a served TTFT p50 that
-# much low. Where one block of rows is a large share of the step, every
+# alone read 60 of the 89 sizes from 8 to 96 more than 5% low (1.07x on
+# average), and `kvserve simulate` a 16-64 token workload's TTFT p50 8-9%
+# low at 0.5 and 1 req/s (5-6% with this sweep, on the same live runs:
+# docs/performance.md). Where one block of rows is a large share of the step, every
 # size is a knot (~5 s more profiling at 5 repeats); above, a stair is a
 # few percent of the step, and knots 4 apart or sparser follow it.
 DEFAULT_SWEEP_TOKENS = (*range(1, 65), *range(68, 129, 4), 160, 192, 224, 256, 320, 384, 448, 512)

@@ -430,16 +430,12 @@ def saturation(args: argparse.Namespace, out: Path, gguf: str) -> dict:
     if rc != 0:
         raise SystemExit(f"simulate --sweep failed with {rc}")
     real, sim = (json.loads((out / name / "sweep.json").read_text()) for name in ("saturation_bench", "saturation_sim"))
-    compared = {field: {"real": real[field], "sim": sim[field], "rel_error": relative_error(sim[field], real[field])}
-                for field in ("max_sustainable_rate_per_s", "capacity_at_slo_per_s")}
-    return {**compared, "reached": {"real": reached_saturation(real), "sim": reached_saturation(sim)}}
-
-
-def reached_saturation(sweep: dict) -> bool:
-    """Whether a capacity search found its saturation rate: some rate it
-    ran was not sustainable. One whose runs all held ran out of runs while
-    still doubling, and its max sustainable rate is only a lower bound."""
-    return any(not point["sustainable"] for point in sweep["points"])
+    # Each answer with the sides whose search never saw a rate fail (sweep.json's
+    # *_found): there it is a lower bound, and the error says little.
+    return {field: {"real": real[field], "sim": sim[field], "rel_error": relative_error(sim[field], real[field]),
+                    "lower_bound": [side for side, doc in (("real", real), ("sim", sim))
+                                    if not doc[field.removesuffix("_per_s") + "_found"]]}
+            for field in ("max_sustainable_rate_per_s", "capacity_at_slo_per_s")}
 
 
 def live_again(out: Path, run: Run) -> dict | None:
@@ -485,14 +481,13 @@ def format_verdicts(by_rate: dict[str, dict], target: float) -> str:
 
 
 def format_saturation(sat: dict) -> str:
-    rows = {field: row for field, row in sat.items() if field != "reached"}
     line = "saturation (bench --sweep live vs simulate --sweep): " + ", ".join(
         f"{field} real {row['real']} sim {row['sim']} error "
-        f"{'-' if row['rel_error'] is None else format(row['rel_error'], '.0%')}" for field, row in rows.items())
-    short = [side for side, found in (sat.get("reached") or {}).items() if not found]
-    if short:
-        line += (f"\n  the {' and '.join(short)} search ran out of runs before any rate failed: its max "
-                 f"sustainable rate is a lower bound, not the saturation rate (raise --sweep-max-runs)")
+        f"{'-' if row['rel_error'] is None else format(row['rel_error'], '.0%')}" for field, row in sat.items())
+    for field, row in sat.items():
+        if row.get("lower_bound"):  # runs saved before the field have none
+            line += (f"\n  the {' and '.join(row['lower_bound'])} search ran out of runs before any rate failed: "
+                     f"its {field} is a lower bound, not the limit (raise --sweep-max-runs)")
     return line
 
 

@@ -48,6 +48,20 @@ def test_run_budget_is_respected():
     assert len(calls) == 3
 
 
+def test_a_search_that_never_saw_a_rate_fail_says_its_answer_is_a_lower_bound():
+    # 1, 2, 4, 8 req/s all hold: the answer is the budget's last rate, not the limit.
+    capped = capacity_search(_report_at, start_rate=1.0, max_runs=4)
+    assert capped.max_sustainable_rate_per_s == 8.0
+    assert not capped.max_sustainable_rate_found and not capped.capacity_at_slo_found
+    assert capped.to_dict()["max_sustainable_rate_found"] is False
+    # 4, 8, 16, 32 req/s: 32 breaks the SLO (over 25) yet is sustained (up to 40).
+    partial = capacity_search(_report_at, start_rate=4.0, max_runs=4)
+    assert partial.capacity_at_slo_found and not partial.max_sustainable_rate_found
+    full = capacity_search(_report_at, start_rate=2.0, max_runs=14, rel_tol=0.05)
+    assert full.max_sustainable_rate_found and full.capacity_at_slo_found
+    assert full.to_dict()["capacity_at_slo_found"] is True
+
+
 def test_growing_queue_is_not_sustainable():
     # Every request succeeds but TTFT climbs through the run: the server is
     # falling behind, so the rate is not sustainable even with no rejections.

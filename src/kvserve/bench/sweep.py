@@ -67,9 +67,23 @@ class SweepResult:
     capacity_at_slo_per_s: float | None
     points: list[SweepPoint] = field(default_factory=list)
 
+    # Whether the search saw the limit at all: some rate it ran failed. One
+    # whose every run held ran out of runs while still doubling, and its
+    # answer is only a lower bound (an 8 req/s "max sustainable rate" from
+    # 5 runs starting at 0.5 was the cap, not the server's limit).
+    @property
+    def max_sustainable_rate_found(self) -> bool:
+        return any(not p.sustainable for p in self.points)
+
+    @property
+    def capacity_at_slo_found(self) -> bool:
+        return any(not p.slo_passed for p in self.points)
+
     def to_dict(self) -> dict:
         return {"max_sustainable_rate_per_s": self.max_sustainable_rate_per_s,
+                "max_sustainable_rate_found": self.max_sustainable_rate_found,
                 "capacity_at_slo_per_s": self.capacity_at_slo_per_s,
+                "capacity_at_slo_found": self.capacity_at_slo_found,
                 "points": [p.__dict__ for p in sorted(self.points, key=lambda p: p.rate_per_s)]}
 
 
@@ -139,4 +153,8 @@ def run_sweep_to_dir(run_at: RunAt, out_dir: Path, slo_name: str, start_rate: fl
     (out_dir / "sweep.json").write_text(json.dumps(result.to_dict(), indent=1))
     print(f"max sustainable rate: {result.max_sustainable_rate_per_s} req/s; capacity at SLO "
           f"{slo_name}: {result.capacity_at_slo_per_s} req/s ({note}wrote {out_dir / 'sweep.json'})")
+    short = [name for name, found in (("max sustainable rate", result.max_sustainable_rate_found),
+                                      ("capacity at SLO", result.capacity_at_slo_found)) if not found]
+    if short:
+        print(f"  {' and '.join(short)}: a lower bound, no rate tried failed (raise --sweep-max-runs)")
     return result
